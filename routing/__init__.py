@@ -1,0 +1,77 @@
+"""edgegw routing: where a request should go. Sans-I/O: pure decisions + live state.
+
+Typical use by the gateway::
+
+    table = RoutingTable.build(config, clusters, edge_model="smollm2-135m-instruct")
+    health = HealthState.from_config(config, table.endpoint_ids())
+    geo = GeoLocator.open(config.geoip_db)          # once, in the lifespan
+    ip, loc = locate_client(table, geo, peer, headers)
+    req = request_from_openai(body, headers, config, client_ip=ip, location=loc)
+    decision = decide(req, table, health, now, edge=edge_stats)
+    response.headers["x-edgegw-route"] = decision.header_value()
+
+and it feeds ``health.record_start / record_first_token / record_end / record_probe``
+with what happened, probing ``health.endpoints_to_probe(now)``.
+"""
+
+from .balancer import Pick, pick, rendezvous_order
+from .config import (
+    BalancerConfig,
+    HealthConfig,
+    HedgingConfig,
+    PolicyConfig,
+    RegionConfig,
+    RoutingConfig,
+)
+from .errors import InvalidTransition, NoRoute, RoutingError, TableError, UnknownModel
+from .features import request_from_openai
+from .geo import DBIP_ATTRIBUTION, GeoLocator, TrustedProxies, client_address, haversine_km
+from .health import BreakerState, HealthState, RetryBudget
+from .policy import decide, explain, locate_client
+from .table import RoutingTable
+from .types import (
+    ClusterSpec,
+    EdgeStats,
+    Location,
+    RouteDecision,
+    RouteRequest,
+    Target,
+    TargetKind,
+)
+
+__all__ = [
+    "BalancerConfig",
+    "BreakerState",
+    "ClusterSpec",
+    "DBIP_ATTRIBUTION",
+    "EdgeStats",
+    "GeoLocator",
+    "HealthConfig",
+    "HealthState",
+    "HedgingConfig",
+    "InvalidTransition",
+    "Location",
+    "NoRoute",
+    "Pick",
+    "PolicyConfig",
+    "RegionConfig",
+    "RetryBudget",
+    "RouteDecision",
+    "RouteRequest",
+    "RoutingConfig",
+    "RoutingError",
+    "RoutingTable",
+    "TableError",
+    "Target",
+    "TargetKind",
+    "TrustedProxies",
+    "UnknownModel",
+    "client_address",
+    "decide",
+    "explain",
+    "haversine_km",
+    "locate_client",
+    "pick",
+    "rendezvous_order",
+    "request_from_openai",
+]

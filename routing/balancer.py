@@ -1,0 +1,108 @@
+"""Pick an endpoint inside a cluster.
+
+- Without affinity: power-of-two-choices. Two distinct available endpoints are drawn
+  at random and the one with the lower cost wins, where
+  ``cost = predicted TTFT × (in-flight + 1) × (1 + error_penalty × recent error rate)``.
+  Two random choices avoid the herd behaviour of always taking the global minimum from
+  slightly stale state, while still steering away from slow or busy replicas.
+- With an affinity key (session id, or a digest of the conversation's leading
+  messages): rendezvous (highest-random-weight) hashing orders the endpoints the same
+  way for every request of that conversation, so follow-up turns land on the replica
+  whose prefix cache holds them; adding or removing a replica only moves the keys that
+  were on it. Load is the tiebreak, with bounded loads: the first endpoint in
+  rendezvous order whose in-flight count stays within ``(1 + affinity_load_factor) ×``
+  the mean is taken, so one hot conversation never piles onto a single replica.
+
+Pure functions of their arguments: the caller passes the ``HealthState``, ``now`` and
+the random source.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from hashlib import blake2b
+
+from .config import BalancerConfig
+from .health import EndpointHealth, HealthState
+
+__all__ = ["Pick", "endpoint_cost", "pick", "predicted_ttft_s", "rendezvous_order"]
+
+
+@dataclass(frozen=True, slots=True)
+class Pick:
+    """The chosen endpoint, the other available ones best first, and how it was chosen.
+
+    ``affinity``: ``None`` (no key), ``"hit"`` (the key's own replica) or
+    ``"overflow"`` (its replica was too loaded; ``affinity_rank`` says which was used).
+    """
+
+    endpoint: str
+    others: tuple[str, ...]
+    affinity: str | None = None
+    affinity_rank: int = 0
+
+
+def predicted_ttft_s(h: EndpointHealth, prior_s: float) -> float:
+    """TTFT EWMA if measured; else probe RTT + ``prior_s``; else ``prior_s``."""
+    if h.ttft_s is not None:
+        return h.ttft_s
+    if h.rtt_s is not None:
+        return h.rtt_s + prior_s
+    return prior_s
+
+
+def endpoint_cost(h: EndpointHealth, prior_s: float, error_penalty: float) -> float:
+    n = len(h.outcomes)
+    err = h.window_failures / n if n else 0.0
+    return predicted_ttft_s(h, prior_s) * (h.inflight + 1) * (1.0 + error_penalty * err)
+
+
+def _weight(key: bytes, endpoint: str) -> int:
+    return int.from_bytes(blake2b(endpoint.encode(), digest_size=8, key=key[:64]).digest(), "big")
+
+
+def rendezvous_order(key: bytes, endpoints: Sequence[str]) -> list[str]:
+    """Endpoints ordered by rendezvous weight for ``key`` (stable, highest first)."""
+    return sorted(endpoints, key=lambda e: _weight(key, e), reverse=True)
+
+
+def pick(
+    endpoints: Sequence[str],
+    health: HealthState,
+    now: float,
+    *,
+    config: BalancerConfig,
+    prior_s: float,
+    affinity_key: bytes | None = None,
+    rng: random.Random | None = None,
+) -> Pick | None:
+    """Choose among ``endpoints`` (their breakers are consulted); ``None`` if none is
+    available. ``prior_s`` is the TTFT assumed for endpoints not measured yet."""
+    records = [health.endpoint(e) for e in endpoints if health.is_available(e, now)]
+    if not records:
+        return None
+    penalty = config.error_penalty
+    costs = {h.endpoint: endpoint_cost(h, prior_s, penalty) for h in records}
+    if affinity_key is not None and config.affinity and len(records) > 1:
+        total = sum(h.inflight for h in records)
+        cap = math.ceil((1.0 + config.affinity_load_factor) * (total + 1) / len(records))
+        by_name = {h.endpoint: h for h in records}
+        order = rendezvous_order(affinity_key, list(by_name))
+        for rank, ep in enumerate(order):
+            if by_name[ep].inflight + 1 <= cap:
+                others = tuple(sorted((e for e in costs if e != ep), key=costs.__getitem__))
+                return Pick(ep, others, "hit" if rank == 0 else "overflow", rank)
+        # unreachable: the least loaded endpoint always fits under the cap
+    if len(records) == 1:
+        chosen = records[0].endpoint
+    else:
+        r = rng if rng is not None else health.rng
+        a, b = r.sample(records, 2)
+        ca, cb = costs[a.endpoint], costs[b.endpoint]
+        chosen = a.endpoint if ca <= cb else b.endpoint
+    others = tuple(sorted((e for e in costs if e != chosen), key=costs.__getitem__))
+    single_hit = affinity_key is not None and config.affinity and len(records) == 1
+    return Pick(chosen, others, "hit" if single_hit else None)

@@ -1,0 +1,149 @@
+"""OpenAI request body + headers -> ``RouteRequest`` (the features routing looks at).
+
+The gateway parses the body with orjson and passes the dict here; nothing is copied
+beyond what routing needs. The prompt token count is an estimate (characters /
+``policy.chars_per_token``): routing needs an order of magnitude, not a tokenizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from hashlib import blake2b
+from typing import Any
+
+import orjson
+
+from .config import RoutingConfig
+from .types import Location, RouteRequest
+
+__all__ = ["BUDGET_HEADER", "affinity_key", "estimate_prompt_tokens", "request_from_openai"]
+
+BUDGET_HEADER = "x-latency-budget-ms"
+
+_ATTACHMENT_PARTS = frozenset({"image_url", "input_image", "input_audio", "file", "image", "audio"})
+
+
+def _header(headers: Mapping[str, str], name: str) -> str | None:
+    value = headers.get(name)
+    if value is not None:
+        return value
+    for key, value in headers.items():
+        if key.lower() == name:
+            return value
+    return None
+
+
+def _content_chars(content: Any) -> tuple[int, bool]:
+    """(characters of text, has an attachment) of one message's content."""
+    if isinstance(content, str):
+        return len(content), False
+    chars, attached = 0, False
+    if isinstance(content, list):
+        for part in content:
+            if isinstance(part, dict):
+                kind = part.get("type")
+                if kind in _ATTACHMENT_PARTS:
+                    attached = True
+                text = part.get("text")
+                if isinstance(text, str):
+                    chars += len(text)
+            elif isinstance(part, str):
+                chars += len(part)
+    return chars, attached
+
+
+def estimate_prompt_tokens(body: Mapping[str, Any], chars_per_token: float = 4.0) -> tuple[int, bool]:
+    """(estimated prompt tokens, has attachments) for a chat or completions body."""
+    chars, attached = 0, False
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        for m in messages:
+            if isinstance(m, dict):
+                c, a = _content_chars(m.get("content"))
+                chars += c + 4 * chars_per_token  # role + template overhead ≈ 4 tokens
+                attached = attached or a
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        chars += len(prompt)
+    elif isinstance(prompt, list):
+        for p in prompt:
+            if isinstance(p, str):
+                chars += len(p)
+            elif isinstance(p, int):  # a list of token ids
+                chars += chars_per_token
+    return int(chars / chars_per_token + 0.5), attached
+
+
+def affinity_key(
+    body: Mapping[str, Any], headers: Mapping[str, str], config: RoutingConfig
+) -> tuple[bytes | None, str | None]:
+    """(key, source): the session header, else the body's ``user``, else a digest of the
+    first ``affinity_prefix_messages`` messages (the part of a conversation every later
+    turn repeats, hence the part a replica's prefix cache holds). ``(None, None)`` when
+    affinity is off or there is nothing to key on."""
+    bal = config.balancer
+    if not bal.affinity:
+        return None, None
+    session = _header(headers, bal.session_header.lower())
+    if session:
+        return blake2b(b"s\0" + session.encode(), digest_size=16).digest(), "session"
+    user = body.get("user")
+    if isinstance(user, str) and user:
+        return blake2b(b"u\0" + user.encode(), digest_size=16).digest(), "user"
+    messages = body.get("messages")
+    if isinstance(messages, list) and messages:
+        head = messages[: bal.affinity_prefix_messages]
+        try:
+            raw = orjson.dumps(head, option=orjson.OPT_SORT_KEYS)
+        except TypeError:
+            return None, None
+        return blake2b(b"p\0" + raw, digest_size=16).digest(), "prefix"
+    return None, None
+
+
+def request_from_openai(
+    body: Mapping[str, Any],
+    headers: Mapping[str, str],
+    config: RoutingConfig,
+    *,
+    client_ip: str | None = None,
+    location: Location | None = None,
+    tenant_budget_ms: float | None = None,
+    cache_hit: bool = False,
+) -> RouteRequest:
+    """Build the ``RouteRequest`` for a ``/v1/chat/completions`` or ``/v1/completions`` body.
+
+    Budget: the ``x-latency-budget-ms`` header when it is a positive number, else
+    ``tenant_budget_ms``, else ``None`` (the policy's default applies).
+    """
+    pol = config.policy
+    tokens, attached = estimate_prompt_tokens(body, pol.chars_per_token)
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
+        max_tokens = None
+    budget = tenant_budget_ms
+    raw_budget = _header(headers, BUDGET_HEADER)
+    if raw_budget is not None:
+        try:
+            value = float(raw_budget)
+        except ValueError:
+            value = 0.0
+        if 0 < value < float("inf"):
+            budget = value
+    tools = body.get("tools") or body.get("functions")
+    key, source = affinity_key(body, headers, config)
+    model = body.get("model")
+    return RouteRequest(
+        model=model if isinstance(model, str) and model else "auto",
+        prompt_tokens=tokens,
+        max_tokens=max_tokens,
+        has_tools=bool(tools),
+        has_attachments=attached,
+        stream=bool(body.get("stream")),
+        budget_ms=budget,
+        affinity_key=key,
+        affinity_source=source,
+        client_ip=client_ip,
+        location=location,
+        cache_hit=cache_hit,
+    )

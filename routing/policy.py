@@ -1,0 +1,395 @@
+"""The edge-or-escalate decision: ``decide(request, table, health, now) -> RouteDecision``.
+
+A pure function of the request's features, the table, the live ``HealthState``, the
+edge engine's ``EdgeStats`` snapshot and ``now``. It returns a decision and never acts
+on it; the gateway does the I/O (cache replay, engine call, upstream request, hedging).
+
+Rules, in order:
+
+1. The model name is resolved through the aliases: ``auto`` (the gateway chooses), the
+   edge model, or a central model. Unknown names raise ``UnknownModel``.
+2. Central candidates: every cluster serving the model, each scored by its best
+   available endpoint's predicted TTFT, best first. Prediction per endpoint, most
+   trusted first: the TTFT EWMA measured from this gateway; else probe RTT +
+   ``prior_ttft_ms``; else the great-circle distance from the client (or its home
+   region) to the cluster's region / ``km_per_rtt_ms`` + ``prior_ttft_ms``. Inside the
+   best cluster the balancer picks (power of two choices, affinity, bounded load).
+   Clusters whose endpoints are all ejected are skipped.
+3. Explicit models go where they are served. An ``auto`` request stays at the edge
+   when it is short and simple (prompt ≤ ``edge_max_prompt_tokens``, max_tokens ≤
+   ``edge_max_output_tokens``, no tools or attachments) and the edge is healthy, not
+   queued beyond ``edge_max_queue_depth``, has KV room and is predicted within budget.
+   Otherwise it escalates to the central model; if the central path is unhealthy or
+   predicted over the budget, it degrades to the edge (``degraded=True``, with reason).
+4. Hedge: when enabled and the retry budget allows, ``hedge_after_ms`` =
+   ``budget_fraction × budget`` (at least ``min_delay_ms``), target = the first fallback.
+5. Cascade: a non-streaming ``auto`` request served at the edge with a central fallback
+   carries ``cascade_threshold`` (``policy.cascade_min_logprob``) when configured.
+6. A cache hit (``request.cache_hit``) puts the cache first and the computed route
+   behind it as fallbacks (or alone, if nothing else is reachable).
+
+``explain(...)`` does client address -> location -> request features -> decide in one
+call, for ``edgegw explain``.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .balancer import pick, predicted_ttft_s
+from .config import AUTO, EDGE, RoutingConfig
+from .errors import NoRoute
+from .features import request_from_openai
+from .geo import GeoLocator, client_address
+from .health import HealthState
+from .table import Cluster, RoutingTable
+from .types import ClusterSpec, EdgeStats, Location, RouteDecision, RouteRequest, Target, TargetKind
+
+__all__ = ["decide", "explain", "locate_client"]
+
+_ENDPOINT = TargetKind.ENDPOINT
+_EDGE = TargetKind.EDGE
+
+
+def _network_prior_s(table: RoutingTable, request: RouteRequest, home: str, region: str) -> float:
+    """Prior TTFT (s) for an unmeasured endpoint in ``region``: distance RTT + prior."""
+    pol = table.config.policy
+    km = table.distance_km(request.location, region)
+    if km is None:
+        home_r = table.regions[home]
+        if home_r.latitude is not None and home_r.longitude is not None:
+            km = table.distance_km(Location(latitude=home_r.latitude, longitude=home_r.longitude), region)
+    rtt_ms = 0.0 if km is None else km / pol.km_per_rtt_ms
+    return (rtt_ms + pol.prior_ttft_ms) / 1e3
+
+
+def _central_targets(
+    table: RoutingTable,
+    health: HealthState,
+    model: str,
+    request: RouteRequest,
+    home: str,
+    now: float,
+    rng: random.Random | None,
+    reasons: list[str],
+) -> tuple[list[Target], str | None]:
+    """Central targets for ``model``, best first, and the affinity outcome."""
+    cfg = table.config
+    scored: list[tuple[float, Cluster, float]] = []
+    ejected: list[str] = []
+    for cluster in table.clusters_for(model):
+        prior_s = _network_prior_s(table, request, home, cluster.region)
+        best = math.inf
+        for ep in cluster.endpoints:
+            if health.is_available(ep, now):
+                p = predicted_ttft_s(health.endpoint(ep), prior_s)
+                if p < best:
+                    best = p
+        if best == math.inf:
+            ejected.append(cluster.name)
+        else:
+            scored.append((best, cluster, prior_s))
+    if ejected:
+        reasons.append(f"skipped {','.join(ejected)}: all endpoints ejected")
+    if not scored:
+        return [], None
+    scored.sort(key=lambda t: t[0])
+    targets: list[Target] = []
+    affinity = None
+    best_s, cluster, prior_s = scored[0]
+    chosen = pick(
+        cluster.endpoints,
+        health,
+        now,
+        config=cfg.balancer,
+        prior_s=prior_s,
+        affinity_key=request.affinity_key,
+        rng=rng,
+    )
+    assert chosen is not None  # the cluster has an available endpoint
+    if chosen.affinity is not None:
+        src = request.affinity_source or "key"
+        if chosen.affinity == "hit":
+            affinity = src
+            reasons.append(f"{src} affinity -> {chosen.endpoint}")
+        else:
+            affinity = f"{src}-overflow"
+            reasons.append(f"{src} affinity overflow to rank {chosen.affinity_rank} (load)")
+
+    def target(c: Cluster, ep: str, p_s: float) -> Target:
+        pred = predicted_ttft_s(health.endpoint(ep), p_s) * 1e3
+        return Target(_ENDPOINT, model, c.region, c.name, ep, pred)
+
+    targets.append(target(cluster, chosen.endpoint, prior_s))
+    same = [target(cluster, ep, prior_s) for ep in chosen.others]
+    # one more replica of the same cluster first (cheap), then the other regions
+    targets.extend(same[:1])
+    for _, other, other_prior in scored[1:]:
+        eps = [e for e in other.endpoints if health.is_available(e, now)]
+        best_ep = min(eps, key=lambda e: predicted_ttft_s(health.endpoint(e), other_prior) * (health.endpoint(e).inflight + 1))
+        targets.append(target(other, best_ep, other_prior))
+    targets.extend(same[1:])
+    if len(scored) > 1 or home != cluster.region:
+        reasons.append(
+            f"region {cluster.region} ({cluster.name}) predicted {targets[0].predicted_ttft_ms:.0f}ms"
+        )
+    return targets, affinity
+
+
+def _edge_assessment(
+    table: RoutingTable, edge: EdgeStats | None, request: RouteRequest, budget_ms: float
+) -> tuple[bool, bool, float, str]:
+    """(fit for an auto request, usable at all, predicted TTFT ms, reason if not fit)."""
+    pol = table.config.policy
+    if not table.has_edge:
+        return False, False, math.inf, "no edge engine here"
+    if edge is None:
+        return True, True, pol.edge_prior_ttft_ms, ""
+    if not edge.healthy:
+        return False, False, math.inf, "edge engine unhealthy"
+    out = request.max_tokens if request.max_tokens is not None else pol.edge_max_output_tokens
+    need = -(-(request.prompt_tokens + out) // max(1, edge.block_size))
+    if need > edge.kv_blocks_total:
+        return False, False, math.inf, f"needs {need} KV blocks > edge total {edge.kv_blocks_total}"
+    base = edge.recent_ttft_ms if edge.recent_ttft_ms is not None else pol.edge_prior_ttft_ms
+    pred = base + edge.queue_depth * pol.edge_queue_cost_ms
+    if edge.queue_depth > pol.edge_max_queue_depth:
+        return False, True, pred, f"edge queue {edge.queue_depth} > {pol.edge_max_queue_depth}"
+    if need > edge.kv_blocks_free:
+        return False, True, pred, f"edge KV full ({edge.kv_blocks_free} free < {need} needed)"
+    if pred > budget_ms:
+        return False, True, pred, f"edge predicted {pred:.0f}ms > budget {budget_ms:.0f}ms"
+    return True, True, pred, ""
+
+
+def decide(
+    request: RouteRequest,
+    table: RoutingTable,
+    health: HealthState,
+    now: float,
+    *,
+    edge: EdgeStats | None = None,
+    rng: random.Random | None = None,
+) -> RouteDecision:
+    """Decide where ``request`` goes. See the module docstring for the rules.
+
+    ``edge``: a snapshot of the in-process engine (``None``: assume idle if the table
+    has one). ``rng``: the balancer's random source (default ``health.rng``).
+    Raises ``UnknownModel`` for a model served nowhere and ``NoRoute`` when nothing
+    can serve the request (``retry_after_s`` set when breakers will half-open).
+    """
+    try:
+        return _decide(request, table, health, now, edge, rng)
+    except NoRoute as exc:
+        if request.cache_hit and type(exc) is NoRoute:
+            model = table.resolve_model(request.model).model
+            return RouteDecision(
+                target=Target(TargetKind.CACHE, model),
+                reasons=("exact-response cache hit", f"no live route: {exc}"),
+                model=model,
+                requested_model=request.model,
+                region=table.home_region(request.location),
+                client_ip=request.client_ip,
+                location=request.location,
+                budget_ms=request.budget_ms or table.config.policy.default_budget_ms,
+            )
+        raise
+
+
+def _decide(
+    request: RouteRequest,
+    table: RoutingTable,
+    health: HealthState,
+    now: float,
+    edge: EdgeStats | None,
+    rng: random.Random | None,
+) -> RouteDecision:
+    cfg = table.config
+    pol = cfg.policy
+    reasons: list[str] = []
+    budget = request.budget_ms if request.budget_ms else pol.default_budget_ms
+    home = table.home_region(request.location)
+    if request.location is None or request.location.latitude is None:
+        reasons.append(f"location unknown -> default region {home}")
+    route = table.resolve_model(request.model)
+    degraded = False
+    cascade = None
+    affinity = None
+    edge_target = None
+    if table.has_edge:
+        edge_target = Target(_EDGE, table.edge_model or "", table.local_region)
+
+    if route.kind == EDGE:
+        fit, usable, edge_pred, why = _edge_assessment(table, edge, request, budget)
+        central, affinity = (
+            _central_targets(table, health, route.model, request, home, now, rng, reasons)
+            if table.clusters_for(route.model)
+            else ([], None)
+        )
+        if usable:
+            assert edge_target is not None
+            target = Target(_EDGE, route.model, table.local_region, predicted_ttft_ms=edge_pred)
+            reasons.insert(0, f"{route.model} is the edge model")
+            fallbacks = central
+        elif central:
+            target, fallbacks = central[0], central[1:]
+            reasons.insert(0, f"{route.model}: edge unusable ({why}), served centrally")
+        else:
+            raise NoRoute(f"edge model {route.model!r} unavailable: {why}")
+    elif route.kind != AUTO:
+        central, affinity = _central_targets(table, health, route.model, request, home, now, rng, reasons)
+        if not central:
+            eps = [e for c in table.clusters_for(route.model) for e in c.endpoints]
+            raise NoRoute(
+                f"every endpoint serving {route.model!r} is ejected",
+                retry_after_s=health.retry_after_s(eps, now),
+            )
+        reasons.insert(0, f"{route.model} is a central model")
+        target, fallbacks = central[0], central[1:]
+    else:
+        fit, usable, edge_pred, why = _edge_assessment(table, edge, request, budget)
+        escalate: list[str] = []
+        if request.prompt_tokens > pol.edge_max_prompt_tokens:
+            escalate.append(f"prompt ~{request.prompt_tokens} tokens > edge limit {pol.edge_max_prompt_tokens}")
+        if request.max_tokens is not None and request.max_tokens > pol.edge_max_output_tokens:
+            escalate.append(f"max_tokens {request.max_tokens} > edge limit {pol.edge_max_output_tokens}")
+        if request.has_tools and not pol.edge_handles_tools:
+            escalate.append("tools requested")
+        if request.has_attachments:
+            escalate.append("attachments")
+        if not fit:
+            escalate.append(why)
+        central: list[Target] = []
+        if table.central_model is not None:
+            central, affinity = _central_targets(
+                table, health, route.model, request, home, now, rng, reasons
+            )
+        edge_fb = [] if edge_target is None or not usable else [
+            Target(_EDGE, edge_target.model, table.local_region, predicted_ttft_ms=edge_pred)
+        ]
+        if not escalate:
+            assert edge_fb
+            target, fallbacks = edge_fb[0], central
+            reasons.insert(
+                0,
+                f"auto: short simple request stays at the edge "
+                f"(~{request.prompt_tokens} prompt tokens, edge predicted {edge_pred:.0f}ms)",
+            )
+            if pol.cascade_min_logprob is not None and not request.stream and central:
+                cascade = pol.cascade_min_logprob
+                reasons.append(f"cascade to {central[0].label()} if mean logprob < {cascade:g}")
+        else:
+            reasons.insert(0, "auto: escalate (" + "; ".join(escalate) + ")")
+            central_pred = central[0].predicted_ttft_ms if central else None
+            if central and central_pred is not None and central_pred <= budget:
+                target, fallbacks = central[0], central[1:] + edge_fb
+            elif edge_fb:
+                degraded = True
+                target, fallbacks = edge_fb[0], central
+                if not central:
+                    if table.central_model is None:
+                        reasons.append("degraded to edge: no central cluster")
+                    else:
+                        reasons.append("degraded to edge: central path unhealthy")
+                else:
+                    reasons.append(
+                        f"degraded to edge: central predicted {central_pred:.0f}ms > budget {budget:.0f}ms"
+                    )
+            elif central:
+                target, fallbacks = central[0], central[1:]
+                reasons.append(
+                    f"central predicted {central_pred:.0f}ms > budget {budget:.0f}ms; no edge to degrade to"
+                )
+            else:
+                eps = [e for c in table.clusters_for(route.model) for e in c.endpoints]
+                raise NoRoute(
+                    "auto: no healthy central endpoint and no usable edge engine",
+                    retry_after_s=health.retry_after_s(eps, now),
+                )
+
+    fallbacks = fallbacks[: pol.max_fallbacks]
+    hedge_after = hedge_target = None
+    hcfg = cfg.hedging
+    if hcfg.enabled and fallbacks:
+        if health.can_retry(now):
+            hedge_target = fallbacks[0]
+            hedge_after = max(hcfg.min_delay_ms, hcfg.budget_fraction * budget)
+            reasons.append(f"hedge to {hedge_target.label()} after {hedge_after:.0f}ms without a token")
+        else:
+            reasons.append("no hedge: retry budget spent")
+    if request.cache_hit:
+        fallbacks = ((target,) + tuple(fallbacks))[: max(1, pol.max_fallbacks)]
+        target = Target(TargetKind.CACHE, target.model)
+        reasons.insert(0, "exact-response cache hit")
+        hedge_after = hedge_target = None
+        cascade = None
+    return RouteDecision(
+        target=target,
+        fallbacks=tuple(fallbacks),
+        reasons=tuple(reasons),
+        model=target.model,
+        requested_model=request.model,
+        region=home,
+        client_ip=request.client_ip,
+        location=request.location,
+        budget_ms=budget,
+        degraded=degraded,
+        hedge_after_ms=hedge_after,
+        hedge_target=hedge_target,
+        cascade_threshold=cascade,
+        affinity=affinity,
+    )
+
+
+def locate_client(
+    table: RoutingTable,
+    geo: GeoLocator | None,
+    peer_ip: str | None,
+    headers: Mapping[str, str],
+) -> tuple[str | None, Location | None]:
+    """(client address, location) for a connection: trusted-proxy walk, then GeoIP.
+
+    An address the database does not know gives location ``None``; ``decide`` then
+    uses the default region.
+    """
+    ip = client_address(peer_ip, headers, table.trusted_proxies)
+    location = geo.locate(ip) if geo is not None and ip is not None else None
+    return ip, location
+
+
+def explain(
+    config: RoutingConfig,
+    clusters: Sequence[ClusterSpec],
+    peer_ip: str,
+    headers: Mapping[str, str],
+    body: Mapping[str, Any],
+    now: float,
+    *,
+    edge_model: str | None = None,
+    edge: EdgeStats | None = None,
+    health: HealthState | None = None,
+    geo: GeoLocator | None = None,
+    cache_hit: bool = False,
+) -> RouteDecision:
+    """Resolve the client, locate it, extract features and decide, in one call.
+
+    For ``edgegw explain --config FILE --ip PEER --header 'Name: value' --body FILE``.
+    With no ``health`` a fresh state is used (nothing measured, every breaker closed).
+    With no ``geo`` the configured database (or the embedded DB-IP) is opened for the
+    call and closed after; pass a ``GeoLocator`` to reuse one.
+    """
+    table = RoutingTable.build(config, clusters, edge_model)
+    if health is None:
+        health = HealthState.from_config(config, table.endpoint_ids(), seed=0)
+    own_geo = geo is None
+    locator = GeoLocator.open(config.geoip_db) if own_geo else geo
+    try:
+        ip, location = locate_client(table, locator, peer_ip, headers)
+    finally:
+        if own_geo and locator is not None:
+            locator.close()
+    request = request_from_openai(body, headers, config, client_ip=ip, location=location, cache_hit=cache_hit)
+    return decide(request, table, health, now, edge=edge)
