@@ -10,8 +10,10 @@
   way for every request of that conversation, so follow-up turns land on the replica
   whose prefix cache holds them; adding or removing a replica only moves the keys that
   were on it. Load is the tiebreak, with bounded loads: the first endpoint in
-  rendezvous order whose in-flight count stays within ``(1 + affinity_load_factor) ×``
-  the mean is taken, so one hot conversation never piles onto a single replica.
+  rendezvous order whose in-flight count (with this request) stays within
+  ``ceil((1 + affinity_load_factor) × mean) + affinity_load_slack`` is taken, so one hot
+  conversation (or an unlucky hash) never piles onto a single replica; the slack keeps
+  affinity when the fleet is nearly idle.
 
 Pure functions of their arguments: the caller passes the ``HealthState``, ``now`` and
 the random source.
@@ -89,6 +91,7 @@ def pick(
     if affinity_key is not None and config.affinity and len(records) > 1:
         total = sum(h.inflight for h in records)
         cap = math.ceil((1.0 + config.affinity_load_factor) * (total + 1) / len(records))
+        cap += config.affinity_load_slack
         by_name = {h.endpoint: h for h in records}
         order = rendezvous_order(affinity_key, list(by_name))
         for rank, ep in enumerate(order):
