@@ -1,0 +1,163 @@
+"""Tensors in, token ids out: turns one scheduled step into a flat batch, runs the model and
+samples.
+
+CPU modes: ``float32`` (exact against the reference) and ``bf16`` (bf16 weights inside the
+blocks, float32 activations, float32 output layer and KV cache).  CUDA: bf16 weights,
+activations and KV cache (float32 output layer), attention through
+``scaled_dot_product_attention``.  CUDA graphs are not captured yet: decode steps run eagerly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import ModelConfig
+from .kv_cache import KVCache
+from .model import AttentionMetadata, PrefillChunk, Transformer
+from .sampling import SampleResult, sample
+from .sequence import Sequence
+
+__all__ = ["ModelRunner", "StepInputs", "resolve_dtypes"]
+
+
+def resolve_dtypes(dtype: str, device: torch.device) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
+    """(weight dtype, activation dtype, KV cache dtype) for a config dtype on a device."""
+    if dtype == "auto":
+        dtype = "bf16" if device.type == "cuda" else "float32"
+    if dtype == "float32":
+        return torch.float32, torch.float32, torch.float32
+    if device.type == "cuda":
+        return torch.bfloat16, torch.bfloat16, torch.bfloat16
+    return torch.bfloat16, torch.float32, torch.float32
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [N]
+    order: list[int]  # flat row r comes from scheduled[order[r]]
+    sample_rows: list[int]  # indices into scheduled of the rows that sample a token, in logits order
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        *,
+        device: torch.device,
+        dtype: str,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+    ) -> None:
+        self.config = config
+        self.device = device
+        self.block_size = block_size
+        self.weight_dtype, self.act_dtype, self.kv_dtype = resolve_dtypes(dtype, device)
+        self.model = Transformer(
+            config,
+            weights,
+            max_len=max_model_len,
+            device=device,
+            weight_dtype=self.weight_dtype,
+            act_dtype=self.act_dtype,
+        ).eval()
+        self.kv_cache = KVCache(config, num_blocks, block_size, self.kv_dtype, device)
+
+    @property
+    def dtype_name(self) -> str:
+        if self.weight_dtype == torch.float32:
+            return "float32"
+        return "bf16" if self.act_dtype == torch.bfloat16 else "bf16-weights/fp32-activations"
+
+    def prepare(self, scheduled: list[tuple[Sequence, int]]) -> StepInputs:
+        bs = self.block_size
+        decode = [i for i, (_, n) in enumerate(scheduled) if n == 1]
+        prefill = [i for i, (_, n) in enumerate(scheduled) if n > 1]
+        order = decode + prefill
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_indices: list[int] = []
+        sample_rows: list[int] = []
+        prefills: list[PrefillChunk] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        for i in order:
+            seq, n = scheduled[i]
+            start = seq.num_computed_tokens
+            end = start + n
+            assert end <= seq.num_tokens and len(seq.block_table) * bs >= end, seq
+            flat_start = len(input_ids)
+            input_ids.extend(seq.token_ids[start:end])
+            table = seq.block_table
+            for p in range(start, end):
+                positions.append(p)
+                slots.append(table[p // bs] * bs + p % bs)
+            if n == 1:
+                decode_tables.append(table[: -(-end // bs)])
+                decode_lens.append(end)
+            else:
+                mask = None
+                if start > 0:
+                    q_pos = torch.arange(start, end).unsqueeze(1)  # [S, 1]
+                    mask = torch.arange(end).unsqueeze(0) <= q_pos  # [S, C]
+                    mask = mask.to(self.device)
+                prefills.append(
+                    PrefillChunk(
+                        start=flat_start,
+                        end=flat_start + n,
+                        block_table=torch.tensor(table[: -(-end // bs)], dtype=torch.long, device=self.device),
+                        context_len=end,
+                        mask=mask,
+                    )
+                )
+            if end == seq.num_tokens:  # the last known token: its logits give the next one
+                logits_indices.append(flat_start + n - 1)
+                sample_rows.append(i)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long).to(self.device), prefills=prefills
+        )
+        if decode_tables:
+            width = max(len(t) for t in decode_tables)
+            padded = [t + [0] * (width - len(t)) for t in decode_tables]
+            meta.num_decode = len(decode_tables)
+            meta.decode_block_tables = torch.tensor(padded, dtype=torch.long).to(self.device)
+            lens = torch.tensor(decode_lens, dtype=torch.long)
+            mask = torch.arange(width * bs).unsqueeze(0) < lens.unsqueeze(1)  # [Bd, L]
+            meta.decode_mask = mask.view(len(decode_tables), 1, 1, width * bs).to(self.device)
+        return StepInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.long).to(self.device),
+            positions=torch.tensor(positions, dtype=torch.long).to(self.device),
+            meta=meta,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.long).to(self.device),
+            order=order,
+            sample_rows=sample_rows,
+        )
+
+    @torch.inference_mode()
+    def compute_logits(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[int]]:
+        """Run one step; returns (logits [N, V] float32, the scheduled indices they belong to)."""
+        inputs = self.prepare(scheduled)
+        logits = self.model(
+            inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.meta, inputs.logits_indices
+        )
+        return logits, inputs.sample_rows
+
+    @torch.inference_mode()
+    def run(self, scheduled: list[tuple[Sequence, int]]) -> list[SampleResult | None]:
+        """Run one step and sample; one result per scheduled entry (None: prefill chunk that
+        does not reach the end of its sequence)."""
+        logits, rows = self.compute_logits(scheduled)
+        results: list[SampleResult | None] = [None] * len(scheduled)
+        if rows:
+            seqs = [scheduled[i][0] for i in rows]
+            sampled = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            for i, result in zip(rows, sampled):
+                results[i] = result
+        return results
