@@ -10,6 +10,7 @@ from .engine import Engine, EngineStats
 from .errors import EngineClosedError, EngineError, EngineOverloadedError, InvalidRequestError
 from .sampling import SamplingParams
 from .sequence import Delta, Priority
+from .serving import OpenAIServing, PreparedRequest
 
 __all__ = [
     "Delta",
@@ -21,6 +22,8 @@ __all__ = [
     "EngineStats",
     "InvalidRequestError",
     "ModelConfig",
+    "OpenAIServing",
+    "PreparedRequest",
     "Priority",
     "SamplingParams",
     "default_model_path",

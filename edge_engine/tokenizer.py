@@ -34,6 +34,22 @@ _QWEN2_PATTERN = (
 )
 
 
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (byte-level BPE vocabularies use it)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+_BYTE_DECODER = {c: b for b, c in _bytes_to_unicode().items()}
+
+
 def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     """The pre-tokenizer llama.cpp's ``tokenizer.ggml.pre`` names."""
     if pre == "smollm":
@@ -88,6 +104,7 @@ class Tokenizer:
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self.bos_token = tokenizer.id_to_token(bos_token_id) if bos_token_id is not None else ""
         self.eos_token = tokenizer.id_to_token(self.eos_token_id) if self.eos_token_id is not None else ""
+        self._byte_level = isinstance(tokenizer.decoder, decoders.ByteLevel)
         self._template: jinja2.Template | None = None
         if chat_template:
             env = jinja2.sandbox.ImmutableSandboxedEnvironment(
@@ -184,7 +201,12 @@ class Tokenizer:
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes one token stands for (for OpenAI logprobs' ``bytes``)."""
-        return self._tok.decode([token_id], skip_special_tokens=False).encode("utf-8", "replace")
+        token = self._tok.id_to_token(token_id)
+        if token is None:
+            return b""
+        if self._byte_level and all(c in _BYTE_DECODER for c in token):
+            return bytes(_BYTE_DECODER[c] for c in token)
+        return token.encode("utf-8")
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         if self._template is None:

@@ -1,0 +1,158 @@
+"""``python -m edge_engine.server``: the edge engine alone, as an OpenAI-compatible server.
+
+    python -m edge_engine.server --model PATH --host 127.0.0.1 --port 8001 --dtype float32
+
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health
+(and GET /stats, the engine's ``stats()``).  Streaming is SSE, ``data: {...}`` per chunk and
+``data: [DONE]`` at the end.  A thin Starlette app over ``OpenAIServing``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import logging
+import os
+import uuid
+from collections.abc import AsyncIterator
+
+import orjson
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from .config import EngineConfig
+from .engine import Engine
+from .errors import EngineError, EngineOverloadedError, InvalidRequestError
+from .serving import OpenAIServing
+
+__all__ = ["create_app", "main"]
+
+logger = logging.getLogger("edge_engine.server")
+
+
+def _error_response(exc: EngineError) -> Response:
+    headers = {}
+    if isinstance(exc, EngineOverloadedError):
+        headers["Retry-After"] = str(exc.retry_after)
+    return Response(orjson.dumps(exc.to_dict()), status_code=exc.status_code, headers=headers, media_type="application/json")
+
+
+def create_app(engine: Engine, model_name: str | None = None) -> Starlette:
+    serving = OpenAIServing(engine, model_name or engine.model_name)
+    counter = itertools.count()
+
+    async def _body(request: Request) -> dict:
+        raw = await request.body()
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            raise InvalidRequestError("the request body is not valid JSON", "body", "invalid_json") from None
+        if not isinstance(body, dict):
+            raise InvalidRequestError("the request body must be a JSON object", "body", "invalid_type")
+        return body
+
+    def _handler(kind: str):
+        prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+
+        async def handle(request: Request) -> Response:
+            try:
+                prepared = serving.prepare(kind, await _body(request))
+            except EngineError as exc:
+                return _error_response(exc)
+            request_id = f"{prefix}{uuid.uuid4().hex[:24]}{next(counter)}"
+            if not prepared.stream:
+                try:
+                    return Response(await serving.complete(prepared, request_id), media_type="application/json")
+                except EngineError as exc:
+                    return _error_response(exc)
+
+            async def sse() -> AsyncIterator[bytes]:
+                async with contextlib.aclosing(serving.stream(prepared, request_id)) as chunks:
+                    try:
+                        async for chunk in chunks:
+                            yield b"data: " + chunk + b"\n\n"
+                    except EngineError as exc:  # headers are gone: report in-band
+                        yield b"data: " + orjson.dumps(exc.to_dict()) + b"\n\n"
+                yield b"data: [DONE]\n\n"
+
+            return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+        return handle
+
+    async def models(request: Request) -> Response:
+        return Response(serving.models(), media_type="application/json")
+
+    async def health(request: Request) -> Response:
+        ok = engine.is_running
+        return Response(orjson.dumps({"status": "ok" if ok else "stopped"}), status_code=200 if ok else 503, media_type="application/json")
+
+    async def stats(request: Request) -> Response:
+        return Response(orjson.dumps(engine.stats().as_dict()), media_type="application/json")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        await engine.start()
+        try:
+            yield
+        finally:
+            await engine.close()
+
+    return Starlette(
+        routes=[
+            Route("/v1/chat/completions", _handler("chat"), methods=["POST"]),
+            Route("/v1/completions", _handler("completion"), methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/stats", stats, methods=["GET"]),
+        ],
+        lifespan=lifespan,
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m edge_engine.server", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model-name", default=None, help="name served on /v1/models")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8001)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bf16"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-queue-len", type=int, default=256)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--threads", type=int, default=None)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO"))
+    config = EngineConfig(
+        model=args.model,
+        model_name=args.model_name,
+        dtype=args.dtype,
+        device=args.device,
+        num_kv_blocks=args.num_kv_blocks,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_queue_len=args.max_queue_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+        num_threads=args.threads,
+    )
+    engine = Engine(config)
+    logger.info("loaded %r", engine)
+    uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level="info")
+
+
+if __name__ == "__main__":
+    main()

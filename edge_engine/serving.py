@@ -1,0 +1,360 @@
+"""The OpenAI-shaped seam: request JSON in, OpenAI response / chunk JSON out.
+
+``OpenAIServing.prepare`` validates and tokenises synchronously (``InvalidRequestError`` ->
+400, ``EngineOverloadedError`` -> 503); ``stream`` yields one compact JSON chunk per item
+(no ``data:`` framing, no ``[DONE]``: the caller frames them); ``complete`` returns the whole
+non-streaming response.  The gateway and ``edge_engine.server`` both sit on top of it.
+
+Supported fields: ``messages`` (chat; string content or a list of ``text`` parts) or
+``prompt`` (completion; a string, a list of token ids, or a one-element list of either),
+``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``,
+``stop``, ``stop_token_ids``, ``min_tokens``, ``ignore_eos``, ``logprobs`` (+
+``top_logprobs`` for chat; an integer for completions), ``n`` (1 only), ``stream``,
+``stream_options.include_usage`` and ``priority`` ("interactive" | "batch").
+``presence_penalty`` / ``frequency_penalty`` are range-checked; only 0 is implemented.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import jinja2
+import orjson
+
+from .engine import Engine
+from .errors import InvalidRequestError
+from .sampling import SampleResult, SamplingParams
+from .sequence import Delta, Priority
+
+__all__ = ["OpenAIServing", "PreparedRequest"]
+
+
+@dataclass(slots=True)
+class PreparedRequest:
+    kind: str  # "chat" | "completion"
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+    priority: int = Priority.INTERACTIVE
+    completion_logprobs: int | None = None  # completions: the integer ``logprobs`` field
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+def _bad(message: str, param: str, code: str = "invalid_value") -> InvalidRequestError:
+    return InvalidRequestError(message, param, code)
+
+
+def _get(body: dict, name: str, kinds: tuple[type, ...], default: Any = None, *, type_name: str) -> Any:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in kinds:
+        raise _bad(f"{name} must be {type_name}", name, "invalid_type")
+    if not isinstance(value, kinds):
+        raise _bad(f"{name} must be {type_name}", name, "invalid_type")
+    return value
+
+
+_NUMBER = (int, float)
+
+
+class OpenAIServing:
+    def __init__(self, engine: Engine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.tokenizer = engine.tokenizer
+
+    # -- request ------------------------------------------------------------------------
+    def prepare(self, kind: str, body: dict) -> PreparedRequest:
+        if kind not in ("chat", "completion"):
+            raise ValueError(f"kind must be 'chat' or 'completion', not {kind!r}")
+        if not isinstance(body, dict):
+            raise _bad("the request body must be a JSON object", "body", "invalid_type")
+        if kind == "chat":
+            prompt_ids, prompt_param = self._chat_prompt(body), "messages"
+        else:
+            prompt_ids, prompt_param = self._completion_prompt(body), "prompt"
+
+        n = _get(body, "n", (int,), 1, type_name="an integer")
+        if n != 1:
+            raise _bad("only n = 1 is supported", "n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _get(body, name, _NUMBER, 0.0, type_name="a number")
+            if not -2.0 <= value <= 2.0:
+                raise _bad(f"{name} must be in [-2, 2]", name)
+        if body.get("logit_bias"):
+            raise _bad("logit_bias is not supported", "logit_bias", "unsupported")
+        stream = _get(body, "stream", (bool,), False, type_name="a boolean")
+        stream_options = _get(body, "stream_options", (dict,), {}, type_name="an object")
+        include_usage = stream_options.get("include_usage", False)
+        if not isinstance(include_usage, bool):
+            raise _bad("stream_options.include_usage must be a boolean", "stream_options.include_usage", "invalid_type")
+
+        max_tokens_param = "max_tokens"
+        max_tokens = _get(body, "max_tokens", (int,), None, type_name="an integer")
+        if kind == "chat" and body.get("max_completion_tokens") is not None:
+            max_tokens_param = "max_completion_tokens"
+            max_tokens = _get(body, "max_completion_tokens", (int,), None, type_name="an integer")
+        elif kind == "completion" and max_tokens is None and "max_tokens" not in body:
+            max_tokens = 16  # the completions API's documented default
+
+        completion_logprobs: int | None = None
+        if kind == "chat":
+            logprobs = _get(body, "logprobs", (bool,), False, type_name="a boolean")
+            top_logprobs = _get(body, "top_logprobs", (int,), 0, type_name="an integer")
+        else:
+            completion_logprobs = _get(body, "logprobs", (int,), None, type_name="an integer")
+            if completion_logprobs is not None and not 0 <= completion_logprobs <= 5:
+                raise _bad("logprobs must be an integer in [0, 5]", "logprobs")
+            logprobs = completion_logprobs is not None
+            top_logprobs = completion_logprobs or 0
+            if body.get("echo"):
+                raise _bad("echo is not supported", "echo", "unsupported")
+            if body.get("suffix"):
+                raise _bad("suffix is not supported", "suffix", "unsupported")
+
+        try:
+            params = SamplingParams(
+                temperature=_get(body, "temperature", _NUMBER, 1.0, type_name="a number"),
+                top_p=_get(body, "top_p", _NUMBER, 1.0, type_name="a number"),
+                top_k=_get(body, "top_k", (int,), 0, type_name="an integer"),
+                seed=_get(body, "seed", (int,), None, type_name="an integer"),
+                max_tokens=max_tokens,
+                min_tokens=_get(body, "min_tokens", (int,), 0, type_name="an integer"),
+                stop=_get(body, "stop", (str, list), [], type_name="a string or a list of strings"),
+                stop_token_ids=_get(body, "stop_token_ids", (list,), [], type_name="a list of integers"),
+                ignore_eos=_get(body, "ignore_eos", (bool,), False, type_name="a boolean"),
+                logprobs=logprobs,
+                top_logprobs=top_logprobs,
+            )
+        except InvalidRequestError as exc:
+            if exc.param == "max_tokens":
+                exc.param = max_tokens_param
+                exc.message = exc.message.replace("max_tokens", max_tokens_param)
+            raise
+        priority = body.get("priority", "interactive")
+        if priority not in ("interactive", "batch", 0, 1):
+            raise _bad("priority must be 'interactive' or 'batch'", "priority")
+        priority = Priority[priority.upper()] if isinstance(priority, str) else Priority(priority)
+
+        max_tokens = self.engine.validate(
+            prompt_ids, params, prompt_param=prompt_param, max_tokens_param=max_tokens_param
+        )
+        params.max_tokens = max_tokens
+        self.engine.check_capacity()
+        return PreparedRequest(
+            kind=kind,
+            prompt_token_ids=prompt_ids,
+            params=params,
+            stream=stream,
+            include_usage=include_usage,
+            priority=priority,
+            completion_logprobs=completion_logprobs,
+        )
+
+    def _chat_prompt(self, body: dict) -> list[int]:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise _bad("messages must be a non-empty list", "messages", "invalid_type")
+        rendered: list[dict] = []
+        for i, message in enumerate(messages):
+            param = f"messages[{i}]"
+            if not isinstance(message, dict):
+                raise _bad(f"{param} must be an object", param, "invalid_type")
+            role = message.get("role")
+            if role not in ("system", "developer", "user", "assistant", "tool"):
+                raise _bad(f"{param}.role must be system, user, assistant or tool", f"{param}.role")
+            content = message.get("content")
+            if content is None and role == "assistant":
+                content = ""
+            if isinstance(content, list):
+                parts = []
+                for j, part in enumerate(content):
+                    if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                        raise _bad(f"{param}.content[{j}] must be a text part", f"{param}.content", "unsupported")
+                    parts.append(part["text"])
+                content = "".join(parts)
+            if not isinstance(content, str):
+                raise _bad(f"{param}.content must be a string or a list of text parts", f"{param}.content", "invalid_type")
+            rendered.append({"role": "system" if role == "developer" else role, "content": content})
+        try:
+            return self.tokenizer.encode_chat(rendered, add_generation_prompt=True)
+        except jinja2.TemplateError as exc:
+            raise _bad(f"the chat template rejected these messages: {exc}", "messages") from None
+
+    def _completion_prompt(self, body: dict) -> list[int]:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt)
+        raise _bad("prompt must be a string or a list of token ids (one prompt per request)", "prompt", "invalid_type")
+
+    # -- responses ----------------------------------------------------------------------
+    def _generate(self, prepared: PreparedRequest, request_id: str) -> AsyncIterator[Delta]:
+        return self.engine.generate(
+            prepared.prompt_token_ids, prepared.params, request_id=request_id, priority=prepared.priority
+        )
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _chat_logprobs(self, results: list[SampleResult]) -> dict:
+        content = []
+        for r in results:
+            entry = {
+                "token": self._token_text(r.token_id),
+                "logprob": r.logprob,
+                "bytes": list(self.tokenizer.token_bytes(r.token_id)),
+                "top_logprobs": [
+                    {"token": self._token_text(t), "logprob": lp, "bytes": list(self.tokenizer.token_bytes(t))}
+                    for t, lp in (r.top_logprobs or [])
+                ],
+            }
+            content.append(entry)
+        return {"content": content}
+
+    def _completion_logprobs(self, results: list[SampleResult], offset: int) -> dict:
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        for r in results:
+            text = self._token_text(r.token_id)
+            tokens.append(text)
+            token_logprobs.append(r.logprob)
+            top.append({self._token_text(t): lp for t, lp in (r.top_logprobs or [])})
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+    @staticmethod
+    def _usage(delta: Delta | None, num_prompt_tokens: int) -> dict:
+        completion = delta.num_output_tokens if delta else 0
+        cached = delta.num_cached_tokens if delta else 0
+        return {
+            "prompt_tokens": num_prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": num_prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+    async def stream(self, prepared: PreparedRequest, request_id: str) -> AsyncIterator[bytes]:
+        """One OpenAI chunk per item (compact JSON bytes); the last carries finish_reason,
+        then a usage chunk when ``include_usage``."""
+        created = int(time.time())
+        is_chat = prepared.kind == "chat"
+        obj = "chat.completion.chunk" if is_chat else "text_completion"
+        usage_field = {"usage": None} if prepared.include_usage else {}
+        first = True
+        text_offset = 0
+        last: Delta | None = None
+        async with contextlib.aclosing(self._generate(prepared, request_id)) as deltas:
+            async for delta in deltas:
+                last = delta
+                if not delta.text and not delta.logprobs and delta.finish_reason is None and not (first and is_chat):
+                    continue
+                if is_chat:
+                    message: dict = {"role": "assistant", "content": delta.text} if first else {}
+                    if not first and delta.text:
+                        message["content"] = delta.text
+                    choice = {
+                        "index": 0,
+                        "delta": message,
+                        "logprobs": self._chat_logprobs(delta.logprobs) if delta.logprobs else None,
+                        "finish_reason": delta.finish_reason,
+                    }
+                else:
+                    choice = {
+                        "index": 0,
+                        "text": delta.text,
+                        "logprobs": self._completion_logprobs(delta.logprobs, text_offset) if delta.logprobs else None,
+                        "finish_reason": delta.finish_reason,
+                    }
+                    text_offset += len(delta.text)
+                first = False
+                yield orjson.dumps(
+                    {
+                        "id": request_id,
+                        "object": obj,
+                        "created": created,
+                        "model": self.model_name,
+                        "choices": [choice],
+                        **usage_field,
+                    }
+                )
+        if prepared.include_usage:
+            yield orjson.dumps(
+                {
+                    "id": request_id,
+                    "object": obj,
+                    "created": created,
+                    "model": self.model_name,
+                    "choices": [],
+                    "usage": self._usage(last, prepared.num_prompt_tokens),
+                }
+            )
+
+    async def complete(self, prepared: PreparedRequest, request_id: str) -> bytes:
+        """The whole non-streaming response (chat.completion / text_completion) with usage."""
+        created = int(time.time())
+        texts: list[str] = []
+        logprobs: list[SampleResult] = []
+        last: Delta | None = None
+        async with contextlib.aclosing(self._generate(prepared, request_id)) as deltas:
+            async for delta in deltas:
+                last = delta
+                texts.append(delta.text)
+                if delta.logprobs:
+                    logprobs.extend(delta.logprobs)
+        text = "".join(texts)
+        finish = last.finish_reason if last else "stop"
+        if prepared.kind == "chat":
+            body = {
+                "id": request_id,
+                "object": "chat.completion",
+                "created": created,
+                "model": self.model_name,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": text},
+                        "logprobs": self._chat_logprobs(logprobs) if prepared.params.logprobs else None,
+                        "finish_reason": finish,
+                    }
+                ],
+            }
+        else:
+            body = {
+                "id": request_id,
+                "object": "text_completion",
+                "created": created,
+                "model": self.model_name,
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": text,
+                        "logprobs": self._completion_logprobs(logprobs, 0) if prepared.params.logprobs else None,
+                        "finish_reason": finish,
+                    }
+                ],
+            }
+        body["usage"] = self._usage(last, prepared.num_prompt_tokens)
+        return orjson.dumps(body)
+
+    def models(self) -> bytes:
+        """The ``GET /v1/models`` body."""
+        return orjson.dumps(
+            {
+                "object": "list",
+                "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "edgegw"}],
+            }
+        )
