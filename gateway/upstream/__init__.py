@@ -1,0 +1,103 @@
+"""Connection pools to inference servers, one ``Upstream`` per configured endpoint."""
+
+from __future__ import annotations
+
+import ssl
+from urllib.parse import urlsplit
+
+import httpx
+
+from gateway.settings import EndpointSettings, endpoint_api_key
+from gateway.upstream.base import Body, Pool, Timeouts, UpstreamResponse
+from gateway.upstream.http1 import H1Pool
+from gateway.upstream.http2 import H2Pool
+from gateway.upstream.transport import PoolTransport
+
+__all__ = ["Upstream", "UpstreamResponse", "Body", "Pool", "PoolTransport", "H1Pool", "H2Pool", "Timeouts"]
+
+_USER_AGENT = (b"user-agent", b"edgegw/0.1")
+
+
+class Upstream:
+    """One endpoint: its origin, its pool, an httpx client over that pool, and live counters.
+
+    Must be created inside the running event loop (the pools bind to it).
+    """
+
+    def __init__(self, settings: EndpointSettings, cluster: str, *, high_water: int) -> None:
+        parts = urlsplit(settings.url)
+        secure = parts.scheme == "https"
+        host = parts.hostname or "127.0.0.1"
+        port = parts.port or (443 if secure else 80)
+        default_port = port == (443 if secure else 80)
+        authority = (host if ":" not in host else f"[{host}]") + ("" if default_port else f":{port}")
+        self.url = settings.url
+        self.cluster = cluster
+        self.protocol = settings.protocol
+        self.settings = settings
+        self.prefix = parts.path.rstrip("/").encode()
+        self.timeouts = Timeouts(
+            settings.connect_timeout_s, settings.read_timeout_s, settings.write_timeout_s, settings.pool_timeout_s
+        )
+        context = _ssl_context(settings) if secure else None
+        common = dict(
+            ssl=context,
+            authority=authority.encode(),
+            max_connections=settings.pool_size,
+            warm_connections=settings.warm_connections,
+            timeouts=self.timeouts,
+            high_water=high_water,
+        )
+        self.pool: Pool
+        if settings.protocol == "http2":
+            self.pool = H2Pool(host, port, scheme=parts.scheme.encode(), **common)
+        else:
+            self.pool = H1Pool(host, port, **common)
+        self.headers: list[tuple[bytes, bytes]] = [_USER_AGENT]
+        key = endpoint_api_key(settings)
+        if key:
+            self.headers.append((b"authorization", b"Bearer " + key.encode()))
+        self.client = httpx.AsyncClient(
+            base_url=settings.url,
+            transport=PoolTransport(self.pool, settings.read_timeout_s),
+            timeout=httpx.Timeout(
+                settings.read_timeout_s,
+                connect=settings.connect_timeout_s,
+                write=settings.write_timeout_s,
+                pool=settings.pool_timeout_s,
+            ),
+            headers={"authorization": f"Bearer {key}"} if key else None,
+        )
+        self.in_flight = 0
+        self.consecutive_failures = 0
+        self.down_until = 0.0
+
+    async def request(self, path: bytes, headers: list[tuple[bytes, bytes]], body: bytes) -> UpstreamResponse:
+        return await self.pool.request(b"POST", self.prefix + path, self.headers + headers, body)
+
+    def is_available(self, now: float) -> bool:
+        return now >= self.down_until
+
+    def record_failure(self, now: float) -> None:
+        """Passive ejection: back off exponentially after consecutive connect failures / 5xx."""
+        self.consecutive_failures += 1
+        self.down_until = now + min(30.0, 0.5 * 2 ** (self.consecutive_failures - 1))
+
+    def record_success(self) -> None:
+        self.consecutive_failures = 0
+        self.down_until = 0.0
+
+    async def aclose(self) -> None:
+        await self.client.aclose()  # closes the pool through the transport
+
+    def __repr__(self) -> str:
+        return f"<Upstream {self.url} {self.protocol} cluster={self.cluster}>"
+
+
+def _ssl_context(settings: EndpointSettings) -> ssl.SSLContext:
+    context = ssl.create_default_context()
+    if not settings.verify_tls:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    context.set_alpn_protocols(["h2"] if settings.protocol == "http2" else ["http/1.1"])
+    return context

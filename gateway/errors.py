@@ -1,0 +1,147 @@
+"""The gateway's errors and their OpenAI-shaped responses.
+
+Every error the gateway answers with is a ``GatewayError``; the other packages' errors
+(upstream transport failures, engine errors, cache errors) are translated into this tree
+at the seam where they are caught, so that the HTTP layer has one mapping to statuses.
+
+GatewayError                       -> {"error": {"message", "type", "param", "code"}}
+├── InvalidRequest          400    malformed JSON, missing or invalid fields
+├── AuthenticationError     401    missing or unknown API key
+├── ModelNotFound           404    no cluster and no engine serves the model
+├── PayloadTooLarge         413    request body over limits.max_body_bytes
+├── RateLimited             429    tenant over its rate (Retry-After)
+├── UpstreamError           502    upstream broke or answered nonsense
+│   └── UpstreamConnectError       could not open (or reuse) a connection
+├── Overloaded              503    admission queue full (Retry-After)
+├── NoHealthyUpstream       503    every endpoint of the cluster is down (Retry-After)
+└── UpstreamTimeout         504    no byte from the upstream within the read timeout
+
+Upstream transport errors (``UpstreamConnectError``, ``UpstreamProtocolError``,
+``UpstreamReadTimeout``, ``PoolTimeout``) are raised by ``gateway.upstream`` and are
+subclasses of the above, so a caller that only cares about the status can ignore them.
+"""
+
+from __future__ import annotations
+
+import orjson
+
+__all__ = [
+    "GatewayError",
+    "InvalidRequest",
+    "AuthenticationError",
+    "ModelNotFound",
+    "PayloadTooLarge",
+    "RateLimited",
+    "UpstreamError",
+    "UpstreamConnectError",
+    "UpstreamProtocolError",
+    "Overloaded",
+    "NoHealthyUpstream",
+    "PoolTimeout",
+    "UpstreamTimeout",
+    "UpstreamReadTimeout",
+    "error_body",
+]
+
+
+class GatewayError(Exception):
+    status = 500
+    type = "server_error"
+    code: str | None = "internal_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.retry_after = retry_after
+
+    def body(self) -> bytes:
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        if self.retry_after is None:
+            return []
+        return [(b"retry-after", str(max(1, round(self.retry_after))).encode())]
+
+
+class InvalidRequest(GatewayError):
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_request"
+
+
+class AuthenticationError(GatewayError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class ModelNotFound(GatewayError):
+    status = 404
+    type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class PayloadTooLarge(GatewayError):
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class RateLimited(GatewayError):
+    status = 429
+    type = "rate_limit_error"
+    code = "rate_limited"
+
+
+class UpstreamError(GatewayError):
+    status = 502
+    type = "upstream_error"
+    code = "bad_gateway"
+
+
+class UpstreamConnectError(UpstreamError):
+    code = "upstream_connect_error"
+
+
+class UpstreamProtocolError(UpstreamError):
+    code = "upstream_protocol_error"
+
+
+class Overloaded(GatewayError):
+    status = 503
+    type = "server_error"
+    code = "overloaded"
+
+
+class NoHealthyUpstream(GatewayError):
+    status = 503
+    type = "server_error"
+    code = "no_healthy_upstream"
+
+
+class PoolTimeout(NoHealthyUpstream):
+    code = "upstream_pool_timeout"
+
+
+class UpstreamTimeout(GatewayError):
+    status = 504
+    type = "upstream_error"
+    code = "upstream_timeout"
+
+
+class UpstreamReadTimeout(UpstreamTimeout):
+    pass
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> bytes:
+    return orjson.dumps({"error": {"message": message, "type": type, "param": param, "code": code}})

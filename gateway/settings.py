@@ -1,0 +1,197 @@
+"""Configuration: the YAML file and the command line, read once and validated.
+
+Only this module reads configuration files or the environment. ``load_settings(path)``
+returns a frozen ``Settings`` value or raises ``ConfigError`` whose message names the bad
+key and its line, e.g. ``configs/x.yaml:12: clusters.0.endpoints.0.protocol: Input should
+be 'http1' or 'http2'``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+
+__all__ = [
+    "ConfigError",
+    "ListenSettings",
+    "LimitSettings",
+    "EndpointSettings",
+    "ClusterSettings",
+    "Settings",
+    "load_settings",
+    "quickstart_settings",
+]
+
+
+class ConfigError(Exception):
+    """A configuration file that cannot be used; the message names the key and line."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ListenSettings(_Model):
+    host: str = "127.0.0.1"  # address to bind
+    port: int = Field(8080, ge=0, le=65535)  # TCP port (0 picks a free one)
+    workers: int = Field(1, ge=1)  # uvicorn worker processes
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"  # server log level
+    access_log: bool = False  # one log line per request from the gateway itself (not uvicorn's)
+
+
+class LimitSettings(_Model):
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)  # largest request body accepted (413 above)
+    max_response_bytes: int = Field(16 * 1024 * 1024, ge=1024)  # largest non-streaming upstream body relayed
+    max_in_flight: int = Field(1024, ge=1)  # concurrent requests before 503 + Retry-After
+    stream_buffer_bytes: int = Field(256 * 1024, ge=4096)  # per-stream buffer before the upstream is paused
+    max_event_bytes: int = Field(1024 * 1024, ge=1024)  # largest single SSE event relayed
+    keepalive_interval_s: float = Field(15.0, gt=0)  # ": ping" comment after this much stream idleness
+    drain_timeout_s: float = Field(30.0, ge=0)  # on SIGTERM, how long in-flight streams may finish
+    max_attempts: int = Field(3, ge=1)  # endpoints tried per request before giving up (failover)
+    retry_after_s: float = Field(1.0, gt=0)  # Retry-After sent with 503s
+
+
+class EndpointSettings(_Model):
+    url: str  # origin of an OpenAI-compatible server, e.g. http://10.0.0.5:8000 (path prefix allowed)
+    protocol: Literal["http1", "http2"] = "http1"  # http2: h2c prior knowledge on http://, ALPN on https://
+    pool_size: int = Field(64, ge=1)  # max connections to this endpoint (http2: connections, each multiplexed)
+    warm_connections: int = Field(2, ge=0)  # connections opened at start-up and kept open
+    connect_timeout_s: float = Field(3.0, gt=0)  # TCP (+TLS) connect
+    read_timeout_s: float = Field(120.0, gt=0)  # max silence from the upstream (first byte or between chunks)
+    write_timeout_s: float = Field(30.0, gt=0)  # sending the request
+    pool_timeout_s: float = Field(5.0, gt=0)  # waiting for a free connection
+    api_key: SecretStr | None = None  # sent as "Authorization: Bearer ..." to this endpoint
+    api_key_env: str | None = None  # or: the environment variable holding it
+    verify_tls: bool = True  # verify the upstream's certificate on https://
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, value: str) -> str:
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("must be an http:// or https:// URL with a host")
+        return value.rstrip("/")
+
+    @model_validator(mode="after")
+    def _warm_within_pool(self) -> EndpointSettings:
+        if self.warm_connections > self.pool_size:
+            raise ValueError("warm_connections must not exceed pool_size")
+        return self
+
+
+class ClusterSettings(_Model):
+    name: str  # cluster name, shown in metrics and x-edgegw-route
+    models: tuple[str, ...] = ()  # model names served; empty: discovered from GET /v1/models
+    endpoints: tuple[EndpointSettings, ...] = Field(min_length=1)  # replicas, tried in turn on failure
+    discovery_interval_s: float = Field(30.0, gt=0)  # how often an empty model list is refreshed
+
+
+class Settings(_Model):
+    listen: ListenSettings = ListenSettings()  # where the gateway serves
+    limits: LimitSettings = LimitSettings()  # body sizes, buffers, timeouts, retries
+    clusters: tuple[ClusterSettings, ...] = ()  # upstream inference servers
+
+    @model_validator(mode="after")
+    def _unique_cluster_names(self) -> Settings:
+        names = [c.name for c in self.clusters]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"duplicate cluster names: {', '.join(duplicates)}")
+        return self
+
+
+def endpoint_api_key(endpoint: EndpointSettings) -> str | None:
+    if endpoint.api_key is not None:
+        return endpoint.api_key.get_secret_value()
+    if endpoint.api_key_env:
+        return os.environ.get(endpoint.api_key_env)
+    return None
+
+
+def load_settings(path: str | os.PathLike[str]) -> Settings:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        node = yaml.compose(text)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping")
+    try:
+        return Settings.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_describe(path, node, exc)) from None
+
+
+def quickstart_settings(
+    upstreams: list[str],
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    protocol: str = "http1",
+) -> Settings:
+    """Settings for ``edgegw serve --upstream URL ...``: one cluster, models discovered."""
+    try:
+        return Settings.model_validate(
+            {
+                "listen": {"host": host, "port": port},
+                "clusters": [
+                    {
+                        "name": "default",
+                        "endpoints": [{"url": url, "protocol": protocol} for url in upstreams],
+                    }
+                ],
+            }
+        )
+    except ValidationError as exc:
+        raise ConfigError(_describe("--upstream", None, exc)) from None
+
+
+def _describe(source: Any, node: yaml.Node | None, exc: ValidationError) -> str:
+    lines = []
+    errors = exc.errors()
+    deeper = {tuple(e["loc"][:i]) for e in errors for i in range(1, len(e["loc"]))}
+    for error in errors:
+        if error["type"] == "too_short" and tuple(error["loc"]) in deeper:
+            continue  # an item below failed; its own error says why
+        loc = ".".join(str(part) for part in error["loc"])
+        line = _line_of(node, error["loc"])
+        where = f"{source}:{line}" if line else str(source)
+        message = error["msg"]
+        if error["type"] == "extra_forbidden":
+            message = "unknown key"
+        lines.append(f"{where}: {loc or '(top level)'}: {message}")
+    return "\n".join(lines)
+
+
+def _line_of(node: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:
+    """The 1-based line of the YAML node at ``loc`` (or of its nearest existing parent)."""
+    if node is None:
+        return None
+    line = node.start_mark.line + 1
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                if key.value == str(part):
+                    line = key.start_mark.line + 1
+                    node = value
+                    break
+            else:
+                return line
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
+            return line
+    return line

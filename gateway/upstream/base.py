@@ -1,0 +1,188 @@
+"""What every upstream pool hands back: a response whose body is a bounded buffer.
+
+The body of a response is filled by the connection's protocol (``data_received``) and
+drained by the relay. When more than ``high_water`` bytes wait unread, the protocol stops
+taking data from the peer: HTTP/1.1 pauses reading the socket (TCP flow control pushes
+back), HTTP/2 withholds WINDOW_UPDATE for the stream (HTTP/2 flow control pushes back).
+So a slow client slows the upstream, and memory per stream stays bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable
+from typing import Protocol
+
+from gateway.errors import PayloadTooLarge, UpstreamProtocolError, UpstreamReadTimeout
+
+__all__ = ["Body", "UpstreamResponse", "Pool", "Timeouts"]
+
+
+class Timeouts:
+    __slots__ = ("connect", "read", "write", "pool")
+
+    def __init__(self, connect: float, read: float, write: float, pool: float) -> None:
+        self.connect = connect
+        self.read = read
+        self.write = write
+        self.pool = pool
+
+
+class Body:
+    """A response body in flight: a deque of chunks with a byte bound."""
+
+    __slots__ = ("_loop", "_chunks", "_size", "_flow", "_eof", "_exc", "_waiter", "_high", "_on_full", "_on_drain")
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        high_water: int,
+        on_full: Callable[[], None] | None,
+        on_drain: Callable[[int], None],
+    ) -> None:
+        self._loop = loop
+        self._chunks: deque[bytes] = deque()
+        self._size = 0
+        self._flow = 0  # flow-controlled bytes not yet given back to the peer
+        self._eof = False
+        self._exc: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._high = high_water
+        self._on_full = on_full
+        self._on_drain = on_drain
+
+    # -- producer side (the protocol) --------------------------------------------------
+
+    def feed(self, data: bytes, flow: int | None = None) -> None:
+        self._chunks.append(data)
+        self._size += len(data)
+        self._flow += len(data) if flow is None else flow
+        if self._size >= self._high and self._on_full is not None:
+            self._on_full()
+        self._wake()
+
+    def feed_eof(self) -> None:
+        self._eof = True
+        self._wake()
+
+    def feed_error(self, exc: BaseException) -> None:
+        if not self._eof and self._exc is None:
+            self._exc = exc
+            self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    @property
+    def is_complete(self) -> bool:
+        return self._eof
+
+    @property
+    def buffered(self) -> int:
+        return self._size
+
+    # -- consumer side (the relay) -----------------------------------------------------
+
+    async def read(self, timeout: float | None) -> bytes | None:
+        """All bytes buffered so far (waiting for some); ``b""`` at the end; ``None`` if
+        nothing arrived within ``timeout`` seconds (the caller decides what that means)."""
+        if not self._chunks and not self._eof and self._exc is None:
+            waiter = self._waiter = self._loop.create_future()
+            handle = None if timeout is None else self._loop.call_later(timeout, _expire, waiter)
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+                if handle is not None:
+                    handle.cancel()
+        chunks = self._chunks
+        if chunks:
+            data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+            chunks.clear()
+            self._size = 0
+            flow, self._flow = self._flow, 0
+            self._on_drain(flow)
+            return data
+        if self._exc is not None:
+            raise self._exc
+        if self._eof:
+            return b""
+        return None
+
+    async def read_all(self, timeout: float, limit: int) -> bytes:
+        parts = []
+        total = 0
+        while True:
+            data = await self.read(timeout)
+            if data is None:
+                raise UpstreamReadTimeout(f"upstream sent nothing for {timeout:g} s")
+            if not data:
+                return b"".join(parts)
+            total += len(data)
+            if total > limit:
+                raise PayloadTooLarge(f"upstream response exceeds {limit} bytes", code="upstream_response_too_large")
+            parts.append(data)
+
+
+def _expire(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+class UpstreamResponse:
+    """Status and headers of an upstream response, and its body as it arrives."""
+
+    __slots__ = ("status", "headers", "body", "pool_wait", "_cancel", "_closed")
+
+    def __init__(
+        self,
+        status: int,
+        headers: list[tuple[bytes, bytes]],
+        body: Body,
+        cancel: Callable[[], None],
+        pool_wait: float,
+    ) -> None:
+        self.status = status
+        self.headers = headers  # names lower-cased
+        self.body = body
+        self.pool_wait = pool_wait  # seconds spent getting a connection (connect included)
+        self._cancel = cancel
+        self._closed = False
+
+    def header(self, name: bytes) -> bytes | None:
+        for key, value in self.headers:
+            if key == name:
+                return value
+        return None
+
+    def close(self) -> None:
+        """Release the response; an unfinished body is cancelled (RST_STREAM / connection close),
+        which is how the inference server learns the client has gone."""
+        if not self._closed:
+            self._closed = True
+            if not self.body.is_complete:
+                self._cancel()
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<UpstreamResponse [{self.status}] buffered={self.body.buffered}>"
+
+
+class Pool(Protocol):
+    async def request(
+        self, method: bytes, path: bytes, headers: list[tuple[bytes, bytes]], body: bytes
+    ) -> UpstreamResponse: ...
+
+    async def warm(self) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
+def ensure_protocol(condition: bool, message: str) -> None:
+    if not condition:
+        raise UpstreamProtocolError(message)

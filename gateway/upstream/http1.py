@@ -1,0 +1,357 @@
+"""HTTP/1.1 keep-alive pool: asyncio protocols and httptools, nothing in between.
+
+httpx's own pool spends 1-2.6 ms of CPU per request on this machine (../shared/FACTS.md);
+this one spends a few tens of microseconds (BENCHMARKS.md), which is what a relay whose
+budget is half a millisecond can afford. ``gateway.upstream.transport`` puts the httpx API
+on top of it for everything off the hot path.
+
+One request at a time per connection. Backpressure: the response body is a bounded
+``Body``; when it is full the socket is no longer read, so TCP flow control stalls the
+server's writes. Cancelling an unfinished response closes its connection, which is how an
+HTTP/1.1 inference server (vLLM, SGLang, TGI behind uvicorn) learns to stop generating.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl as ssl_module
+import time
+from collections import deque
+
+import httptools
+
+from gateway.errors import (
+    GatewayError,
+    PoolTimeout,
+    UpstreamConnectError,
+    UpstreamProtocolError,
+    UpstreamReadTimeout,
+)
+from gateway.upstream.base import Body, Timeouts, UpstreamResponse
+
+__all__ = ["H1Pool"]
+
+logger = logging.getLogger("edgegw.upstream")
+
+
+class _Stale(Exception):
+    """A reused keep-alive connection was closed by the peer before it answered."""
+
+
+class _H1Connection(asyncio.Protocol):
+    def __init__(self, pool: H1Pool) -> None:
+        self._pool = pool
+        self._loop = pool._loop
+        self._parser = httptools.HttpResponseParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.is_closed = False
+        self._paused = False
+        self._head: asyncio.Future[tuple[int, list[tuple[bytes, bytes]]]] | None = None
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._body: Body | None = None
+        self._got_bytes = False
+        self._keep_alive = True
+
+    # -- asyncio.Protocol ------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.is_closed = True
+        head = self._head
+        if head is not None and not head.done():
+            head.set_exception(
+                _Stale() if not self._got_bytes else UpstreamProtocolError("upstream closed the connection mid-response")
+            )
+        body = self._body
+        if body is not None and not body.is_complete:
+            body.feed_error(UpstreamProtocolError("upstream closed the connection mid-response"))
+        self._pool._lost(self)
+
+    def data_received(self, data: bytes) -> None:
+        self._got_bytes = True
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(UpstreamProtocolError(f"malformed upstream response: {exc}"))
+
+    # -- httptools callbacks ---------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self._headers = []
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers.append((name.lower(), value))
+
+    def on_headers_complete(self) -> None:
+        status = self._parser.get_status_code()
+        if status < 200:
+            return  # an interim 1xx response; the real one follows
+        self._keep_alive = self._parser.should_keep_alive()
+        self._body = Body(self._loop, self._pool._high_water, self._pause, self._drained)
+        head = self._head
+        if head is not None and not head.done():
+            head.set_result((status, self._headers))
+
+    def on_body(self, data: bytes) -> None:
+        self._body.feed(data)  # type: ignore[union-attr]
+
+    def on_message_complete(self) -> None:
+        body = self._body
+        if body is None:
+            return  # end of a 1xx
+        body.feed_eof()
+        self._head = None
+        if self._paused:  # the rest of the socket belongs to the next response
+            self._paused = False
+            self.transport.resume_reading()  # type: ignore[union-attr]
+        if self._keep_alive:
+            self._pool._release(self)
+        else:
+            self.transport.close()  # type: ignore[union-attr]
+
+    # -- flow control ----------------------------------------------------------------
+
+    def _pause(self) -> None:
+        if not self._paused and not self.is_closed:
+            self._paused = True
+            self.transport.pause_reading()  # type: ignore[union-attr]
+
+    def _drained(self, nbytes: int) -> None:
+        if self._paused and self._body is not None and self._body.buffered < self._pool._high_water:
+            self._paused = False
+            if not self.is_closed:
+                self.transport.resume_reading()  # type: ignore[union-attr]
+
+    # -- one exchange ----------------------------------------------------------------
+
+    async def exchange(self, data: bytes, timeout: float) -> tuple[int, list[tuple[bytes, bytes]], Body]:
+        head = self._head = self._loop.create_future()
+        self._got_bytes = False
+        self._body = None
+        self.transport.write(data)  # type: ignore[union-attr]
+        handle = self._loop.call_later(timeout, _head_timeout, head, timeout)
+        try:
+            status, headers = await head
+        except BaseException:
+            self.cancel()
+            raise
+        finally:
+            handle.cancel()
+        return status, headers, self._body  # type: ignore[return-value]
+
+    def cancel(self) -> None:
+        if not self.is_closed and self.transport is not None:
+            self.transport.close()
+            self.is_closed = True
+
+    def _fail(self, exc: GatewayError) -> None:
+        head = self._head
+        if head is not None and not head.done():
+            head.set_exception(exc)
+        elif self._body is not None:
+            self._body.feed_error(exc)
+        self.cancel()
+
+
+def _head_timeout(head: asyncio.Future, timeout: float) -> None:
+    if not head.done():
+        head.set_exception(UpstreamReadTimeout(f"no response headers from the upstream within {timeout:g} s"))
+
+
+class H1Pool:
+    """Keep-alive connections to one origin, at most ``max_connections`` of them."""
+
+    protocol = "http1"
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        ssl: ssl_module.SSLContext | None,
+        authority: bytes,
+        max_connections: int,
+        warm_connections: int,
+        timeouts: Timeouts,
+        high_water: int,
+    ) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._host = host
+        self._port = port
+        self._ssl = ssl
+        self._authority = authority
+        self._max = max_connections
+        self._warm = warm_connections
+        self._timeouts = timeouts
+        self._high_water = high_water
+        self._idle: list[_H1Connection] = []
+        self._all: set[_H1Connection] = set()
+        self._opening = 0
+        self._waiters: deque[asyncio.Future[_H1Connection | None]] = deque()
+        self._tasks: set[asyncio.Task] = set()
+        self._closed = False
+
+    # -- public --------------------------------------------------------------------
+
+    async def request(
+        self, method: bytes, path: bytes, headers: list[tuple[bytes, bytes]], body: bytes
+    ) -> UpstreamResponse:
+        head = b"".join(
+            [
+                method,
+                b" ",
+                path,
+                b" HTTP/1.1\r\nhost: ",
+                self._authority,
+                b"\r\ncontent-length: ",
+                str(len(body)).encode(),
+                b"\r\n",
+                *[name + b": " + value + b"\r\n" for name, value in headers],
+                b"\r\n",
+            ]
+        )
+        data = head + body
+        started = time.perf_counter()
+        for attempt in (0, 1):
+            conn, reused = await self._acquire()
+            pool_wait = time.perf_counter() - started
+            try:
+                status, response_headers, response_body = await conn.exchange(data, self._timeouts.read)
+            except _Stale:
+                if reused and attempt == 0:
+                    continue  # the server closed an idle connection as we used it: retry once, fresh
+                raise UpstreamConnectError("upstream closed the connection before answering") from None
+            return UpstreamResponse(status, response_headers, response_body, conn.cancel, pool_wait)
+        raise AssertionError("unreachable")
+
+    async def warm(self) -> None:
+        """Open ``warm_connections`` now, so the first requests pay no handshake."""
+        missing = self._warm - len(self._all) - self._opening
+        if missing <= 0 or self._closed:
+            return
+        results = await asyncio.gather(*[self._connect() for _ in range(missing)], return_exceptions=True)
+        for result in results:
+            if isinstance(result, _H1Connection):
+                self._release(result)
+            elif isinstance(result, GatewayError):
+                logger.warning("warm-up of %s:%s failed: %s", self._host, self._port, result.message)
+
+    async def aclose(self) -> None:
+        self._closed = True
+        for task in list(self._tasks):
+            task.cancel()
+        for conn in list(self._all):
+            conn.cancel()
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_exception(UpstreamConnectError("upstream pool closed"))
+
+    @property
+    def num_connections(self) -> int:
+        return len(self._all)
+
+    @property
+    def num_idle(self) -> int:
+        return len(self._idle)
+
+    def __repr__(self) -> str:
+        return (
+            f"<H1Pool {self._host}:{self._port} [{len(self._all)} connections, "
+            f"{len(self._idle)} idle, {len(self._waiters)} waiting]>"
+        )
+
+    # -- internals -----------------------------------------------------------------
+
+    async def _acquire(self) -> tuple[_H1Connection, bool]:
+        idle = self._idle
+        while idle:
+            conn = idle.pop()
+            if not conn.is_closed:
+                return conn, True
+        if self._closed:
+            raise UpstreamConnectError("upstream pool closed")
+        if len(self._all) + self._opening < self._max:
+            return await self._connect(), False
+        waiter = self._loop.create_future()
+        self._waiters.append(waiter)
+        handle = self._loop.call_later(self._timeouts.pool, _pool_timeout, waiter, self._timeouts.pool)
+        try:
+            conn = await waiter
+        finally:
+            handle.cancel()
+            if not waiter.done() or waiter.cancelled():
+                self._drop_waiter(waiter)
+        if conn is None:  # a slot came free: open a connection ourselves
+            return await self._connect(), False
+        return conn, True
+
+    def _drop_waiter(self, waiter: asyncio.Future) -> None:
+        try:
+            self._waiters.remove(waiter)
+        except ValueError:
+            pass
+
+    async def _connect(self) -> _H1Connection:
+        self._opening += 1
+        try:
+            _, conn = await asyncio.wait_for(
+                self._loop.create_connection(
+                    lambda: _H1Connection(self),
+                    self._host,
+                    self._port,
+                    ssl=self._ssl,
+                    server_hostname=self._host if self._ssl else None,
+                ),
+                self._timeouts.connect,
+            )
+        except asyncio.TimeoutError:
+            raise UpstreamConnectError(
+                f"connect to {self._host}:{self._port} timed out after {self._timeouts.connect:g} s"
+            ) from None
+        except (OSError, ssl_module.SSLError) as exc:
+            raise UpstreamConnectError(f"cannot connect to {self._host}:{self._port}: {exc}") from None
+        finally:
+            self._opening -= 1
+        self._all.add(conn)
+        return conn
+
+    def _release(self, conn: _H1Connection) -> None:
+        if conn.is_closed or self._closed:
+            return
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(conn)
+                return
+        self._idle.append(conn)
+
+    def _lost(self, conn: _H1Connection) -> None:
+        self._all.discard(conn)
+        try:
+            self._idle.remove(conn)
+        except ValueError:
+            pass
+        if self._closed:
+            return
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                break
+        if len(self._all) + self._opening < self._warm:
+            # keep the warm connections warm (servers close idle keep-alives after a few seconds)
+            task = self._loop.create_task(self._rewarm())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _rewarm(self) -> None:
+        await asyncio.sleep(0.05)
+        await self.warm()
+
+
+def _pool_timeout(waiter: asyncio.Future, timeout: float) -> None:
+    if not waiter.done():
+        waiter.set_exception(PoolTimeout(f"no upstream connection free within {timeout:g} s", retry_after=1.0))

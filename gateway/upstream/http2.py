@@ -1,0 +1,445 @@
+"""HTTP/2 pool: a few multiplexed connections per origin, driven by h2 over asyncio.
+
+h2c with prior knowledge on ``http://`` origins, ALPN ``h2`` on ``https://`` ones.
+Backpressure is HTTP/2's own: each stream's receive window is the relay buffer size
+(``limits.stream_buffer_bytes``), and bytes are acknowledged (WINDOW_UPDATE) only when the
+relay has taken them, so a slow client stalls exactly its own stream at the server while the
+other streams on the connection keep flowing (the connection window is kept large).
+Cancelling an unfinished response sends RST_STREAM(CANCEL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl as ssl_module
+import time
+from collections import deque
+
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
+import h2.exceptions
+import h2.settings
+
+from gateway.errors import (
+    GatewayError,
+    PoolTimeout,
+    UpstreamConnectError,
+    UpstreamProtocolError,
+    UpstreamReadTimeout,
+)
+from gateway.upstream.base import Body, Timeouts, UpstreamResponse
+
+__all__ = ["H2Pool"]
+
+logger = logging.getLogger("edgegw.upstream")
+
+_CONNECTION_WINDOW = 32 * 1024 * 1024
+
+
+class _Stream:
+    __slots__ = ("id", "head", "body", "send_window")
+
+    def __init__(self, stream_id: int, head: asyncio.Future) -> None:
+        self.id = stream_id
+        self.head = head
+        self.body: Body | None = None
+        self.send_window: asyncio.Future[None] | None = None
+
+
+class _H2Connection(asyncio.Protocol):
+    def __init__(self, pool: H2Pool) -> None:
+        self._pool = pool
+        self._loop = pool._loop
+        self._h2 = h2.connection.H2Connection(
+            h2.config.H2Configuration(client_side=True, header_encoding=None, validate_inbound_headers=False)
+        )
+        self.transport: asyncio.Transport | None = None
+        self.streams: dict[int, _Stream] = {}
+        self.max_streams = 100
+        self.is_closed = False
+        self.is_draining = False  # GOAWAY received: no new streams
+
+    # -- asyncio.Protocol ------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        h2conn = self._h2
+        h2conn.local_settings = h2.settings.Settings(
+            client=True,
+            initial_values={
+                h2.settings.SettingCodes.ENABLE_PUSH: 0,
+                h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: self._pool._high_water,
+                h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: 100,
+            },
+        )
+        h2conn.initiate_connection()
+        h2conn.increment_flow_control_window(_CONNECTION_WINDOW - 65535)
+        self._flush()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.is_closed = True
+        error = UpstreamProtocolError("upstream closed the HTTP/2 connection")
+        for stream in list(self.streams.values()):
+            self._fail_stream(stream, error)
+        self.streams.clear()
+        self._pool._lost(self)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            events = self._h2.receive_data(data)
+        except h2.exceptions.ProtocolError as exc:
+            self._flush()
+            self._abort(UpstreamProtocolError(f"HTTP/2 protocol error from the upstream: {exc}"))
+            return
+        for event in events:
+            handler = _HANDLERS.get(type(event))
+            if handler is not None:
+                handler(self, event)
+        self._flush()
+
+    # -- h2 events -------------------------------------------------------------------
+
+    def _on_response(self, event: h2.events.ResponseReceived) -> None:
+        stream = self.streams.get(event.stream_id)
+        if stream is None:
+            return
+        status = 0
+        headers = []
+        for name, value in event.headers:
+            if name == b":status":
+                status = int(value)
+            elif not name.startswith(b":"):
+                headers.append((name, value))
+        stream.body = Body(self._loop, self._pool._high_water, None, lambda n, sid=stream.id: self._ack(sid, n))
+        if not stream.head.done():
+            stream.head.set_result((status, headers))
+
+    def _on_data(self, event: h2.events.DataReceived) -> None:
+        stream = self.streams.get(event.stream_id)
+        if stream is None or stream.body is None:
+            # a cancelled stream: give the connection window back at once
+            self._h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+            return
+        stream.body.feed(event.data, event.flow_controlled_length)
+
+    def _on_end(self, event: h2.events.StreamEnded) -> None:
+        stream = self.streams.pop(event.stream_id, None)
+        if stream is not None and stream.body is not None:
+            stream.body.feed_eof()
+        self._pool._stream_done(self)
+
+    def _on_reset(self, event: h2.events.StreamReset) -> None:
+        stream = self.streams.pop(event.stream_id, None)
+        if stream is not None:
+            self._fail_stream(stream, UpstreamProtocolError(f"upstream reset the stream ({event.error_code!r})"))
+        self._pool._stream_done(self)
+
+    def _on_window(self, event: h2.events.WindowUpdated) -> None:
+        self._wake_senders(event.stream_id)
+
+    def _wake_senders(self, stream_id: int) -> None:
+        streams = self.streams.values() if stream_id == 0 else [self.streams.get(stream_id)]
+        for stream in streams:
+            if stream is not None and stream.send_window is not None and not stream.send_window.done():
+                stream.send_window.set_result(None)
+
+    def _on_settings(self, event: h2.events.RemoteSettingsChanged) -> None:
+        changed = event.changed_settings.get(h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS)
+        if changed is not None:
+            self.max_streams = changed.new_value
+        self._wake_senders(0)  # an INITIAL_WINDOW_SIZE change may free senders
+
+    def _on_goaway(self, event: h2.events.ConnectionTerminated) -> None:
+        self.is_draining = True
+        last = event.last_stream_id or 0
+        for stream_id in [sid for sid in self.streams if sid > last]:
+            self._fail_stream(self.streams.pop(stream_id), UpstreamConnectError("upstream sent GOAWAY"))
+        self._pool._lost(self)
+        if not self.streams and self.transport is not None:
+            self.transport.close()
+
+    # -- requests --------------------------------------------------------------------
+
+    async def exchange(
+        self, headers: list[tuple[bytes, bytes]], body: bytes, timeouts: Timeouts
+    ) -> tuple[int, list[tuple[bytes, bytes]], Body, int]:
+        h2conn = self._h2
+        stream_id = h2conn.get_next_available_stream_id()
+        head = self._loop.create_future()
+        stream = self.streams[stream_id] = _Stream(stream_id, head)
+        h2conn.send_headers(stream_id, headers, end_stream=not body)
+        self._flush()
+        handle = None
+        try:
+            if body:
+                await asyncio.wait_for(self._send_body(stream, body), timeouts.write)
+            handle = self._loop.call_later(timeouts.read, _head_timeout, head, timeouts.read)
+            status, response_headers = await head
+        except asyncio.TimeoutError:
+            self.cancel(stream_id)
+            raise UpstreamReadTimeout(f"sending the request took over {timeouts.write:g} s") from None
+        except BaseException:
+            self.cancel(stream_id)
+            raise
+        finally:
+            if handle is not None:
+                handle.cancel()
+        return status, response_headers, stream.body, stream_id  # type: ignore[return-value]
+
+    async def _send_body(self, stream: _Stream, body: bytes) -> None:
+        h2conn = self._h2
+        view = memoryview(body)
+        while view:
+            if self.is_closed or stream.id not in self.streams:
+                raise UpstreamProtocolError("upstream stream closed while sending the request")
+            window = min(h2conn.local_flow_control_window(stream.id), h2conn.max_outbound_frame_size)
+            if window <= 0:
+                stream.send_window = self._loop.create_future()
+                await stream.send_window
+                stream.send_window = None
+                continue
+            h2conn.send_data(stream.id, view[:window].tobytes())
+            view = view[window:]
+            self._flush()
+        h2conn.end_stream(stream.id)
+        self._flush()
+
+    def cancel(self, stream_id: int) -> None:
+        stream = self.streams.pop(stream_id, None)
+        if stream is None or self.is_closed:
+            return
+        try:
+            self._h2.reset_stream(stream_id, h2.errors.ErrorCodes.CANCEL)
+        except h2.exceptions.H2Error:
+            pass
+        self._flush()
+        self._pool._stream_done(self)
+
+    def close(self) -> None:
+        if not self.is_closed and self.transport is not None:
+            try:
+                self._h2.close_connection()
+                self._flush()
+            except h2.exceptions.H2Error:
+                pass
+            self.transport.close()
+            self.is_closed = True
+
+    # -- helpers ---------------------------------------------------------------------
+
+    def _ack(self, stream_id: int, nbytes: int) -> None:
+        if nbytes and not self.is_closed:
+            self._h2.acknowledge_received_data(nbytes, stream_id)
+            self._flush()
+
+    def _flush(self) -> None:
+        data = self._h2.data_to_send()
+        if data and self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
+
+    def _fail_stream(self, stream: _Stream, error: GatewayError) -> None:
+        if not stream.head.done():
+            stream.head.set_exception(error)
+        elif stream.body is not None:
+            stream.body.feed_error(error)
+        if stream.send_window is not None and not stream.send_window.done():
+            stream.send_window.set_result(None)
+
+    def _abort(self, error: GatewayError) -> None:
+        for stream in list(self.streams.values()):
+            self._fail_stream(stream, error)
+        self.streams.clear()
+        if self.transport is not None:
+            self.transport.close()
+
+    @property
+    def has_capacity(self) -> bool:
+        return not self.is_closed and not self.is_draining and len(self.streams) < self.max_streams
+
+
+_HANDLERS = {
+    h2.events.ResponseReceived: _H2Connection._on_response,
+    h2.events.DataReceived: _H2Connection._on_data,
+    h2.events.StreamEnded: _H2Connection._on_end,
+    h2.events.StreamReset: _H2Connection._on_reset,
+    h2.events.WindowUpdated: _H2Connection._on_window,
+    h2.events.RemoteSettingsChanged: _H2Connection._on_settings,
+    h2.events.ConnectionTerminated: _H2Connection._on_goaway,
+}
+
+
+def _head_timeout(head: asyncio.Future, timeout: float) -> None:
+    if not head.done():
+        head.set_exception(UpstreamReadTimeout(f"no response headers from the upstream within {timeout:g} s"))
+
+
+class H2Pool:
+    """Up to ``max_connections`` HTTP/2 connections to one origin; streams go to the least busy."""
+
+    protocol = "http2"
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        ssl: ssl_module.SSLContext | None,
+        authority: bytes,
+        scheme: bytes,
+        max_connections: int,
+        warm_connections: int,
+        timeouts: Timeouts,
+        high_water: int,
+    ) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._host = host
+        self._port = port
+        self._ssl = ssl
+        self._authority = authority
+        self._scheme = scheme
+        self._max = max_connections
+        self._warm = max(1, warm_connections) if warm_connections else 0
+        self._timeouts = timeouts
+        self._high_water = high_water
+        self._conns: list[_H2Connection] = []
+        self._opening: asyncio.Future[_H2Connection] | None = None
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._closed = False
+
+    async def request(
+        self, method: bytes, path: bytes, headers: list[tuple[bytes, bytes]], body: bytes
+    ) -> UpstreamResponse:
+        h2_headers = [
+            (b":method", method),
+            (b":scheme", self._scheme),
+            (b":authority", self._authority),
+            (b":path", path),
+            (b"content-length", str(len(body)).encode()),
+            *headers,
+        ]
+        started = time.perf_counter()
+        conn = await self._acquire()
+        pool_wait = time.perf_counter() - started
+        status, response_headers, response_body, stream_id = await conn.exchange(h2_headers, body, self._timeouts)
+        return UpstreamResponse(
+            status, response_headers, response_body, lambda: conn.cancel(stream_id), pool_wait
+        )
+
+    async def warm(self) -> None:
+        if self._warm and not self._conns and not self._closed:
+            try:
+                await self._open()
+            except GatewayError as exc:
+                logger.warning("warm-up of %s:%s failed: %s", self._host, self._port, exc.message)
+
+    async def aclose(self) -> None:
+        self._closed = True
+        for conn in list(self._conns):
+            conn.close()
+        self._conns.clear()
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_exception(UpstreamConnectError("upstream pool closed"))
+
+    @property
+    def num_connections(self) -> int:
+        return len(self._conns)
+
+    def __repr__(self) -> str:
+        streams = sum(len(c.streams) for c in self._conns)
+        return f"<H2Pool {self._host}:{self._port} [{len(self._conns)} connections, {streams} streams]>"
+
+    # -- internals -----------------------------------------------------------------
+
+    async def _acquire(self) -> _H2Connection:
+        deadline = self._loop.time() + self._timeouts.pool
+        while True:
+            if self._closed:
+                raise UpstreamConnectError("upstream pool closed")
+            best = None
+            for conn in self._conns:
+                if conn.has_capacity and (best is None or len(conn.streams) < len(best.streams)):
+                    best = conn
+            if best is not None:
+                return best
+            if len(self._conns) < self._max:
+                if self._opening is None:
+                    return await self._open()
+                await asyncio.shield(self._opening)
+                continue
+            remaining = deadline - self._loop.time()
+            if remaining <= 0:
+                raise PoolTimeout(
+                    f"no HTTP/2 stream free within {self._timeouts.pool:g} s", retry_after=1.0
+                )
+            waiter = self._loop.create_future()
+            self._waiters.append(waiter)
+            handle = self._loop.call_later(remaining, _wake, waiter)
+            try:
+                await waiter
+            finally:
+                handle.cancel()
+
+    async def _open(self) -> _H2Connection:
+        opening = self._opening = self._loop.create_future()
+        try:
+            conn = await self._connect()
+        except BaseException as exc:
+            if isinstance(exc, Exception):
+                opening.set_exception(exc)
+                opening.exception()  # mark retrieved: other waiters re-raise their own copy
+            else:
+                opening.cancel()
+            raise
+        finally:
+            self._opening = None
+        self._conns.append(conn)
+        opening.set_result(conn)
+        return conn
+
+    async def _connect(self) -> _H2Connection:
+        try:
+            _, conn = await asyncio.wait_for(
+                self._loop.create_connection(
+                    lambda: _H2Connection(self),
+                    self._host,
+                    self._port,
+                    ssl=self._ssl,
+                    server_hostname=self._host if self._ssl else None,
+                ),
+                self._timeouts.connect,
+            )
+        except asyncio.TimeoutError:
+            raise UpstreamConnectError(
+                f"connect to {self._host}:{self._port} timed out after {self._timeouts.connect:g} s"
+            ) from None
+        except (OSError, ssl_module.SSLError) as exc:
+            raise UpstreamConnectError(f"cannot connect to {self._host}:{self._port}: {exc}") from None
+        if self._ssl is not None:
+            ssl_object = conn.transport.get_extra_info("ssl_object")
+            if ssl_object is None or ssl_object.selected_alpn_protocol() != "h2":
+                conn.close()
+                raise UpstreamConnectError(f"{self._host}:{self._port} did not negotiate h2 over ALPN")
+        return conn
+
+    def _stream_done(self, conn: _H2Connection) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    def _lost(self, conn: _H2Connection) -> None:
+        try:
+            self._conns.remove(conn)
+        except ValueError:
+            pass
+        self._stream_done(conn)
+
+
+def _wake(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)

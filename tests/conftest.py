@@ -1,0 +1,148 @@
+"""Shared fixtures: fake upstreams and gateways on 127.0.0.1, ephemeral ports."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+import yaml
+
+from gateway.app import create_app
+from gateway.settings import Settings
+from tests.fakes import FakeUpstream, free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class GatewayThread:
+    """The gateway app under uvicorn, on its own event loop in a thread."""
+
+    def __init__(self, settings: Settings) -> None:
+        port = free_port()
+        settings = settings.model_copy(update={"listen": settings.listen.model_copy(update={"port": port})})
+        self.settings = settings
+        self.url = f"http://127.0.0.1:{port}"
+        self.app = create_app(settings)
+        config = uvicorn.Config(
+            self.app, host="127.0.0.1", port=port, log_level="error", lifespan="on", http="httptools", ws="auto"
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self._run, daemon=True, name=f"gateway-{port}")
+
+    def _run(self) -> None:
+        self.server.run()
+
+    @property
+    def state(self):
+        return self.app.state.gateway
+
+    def start(self) -> GatewayThread:
+        self.thread.start()
+        deadline = time.monotonic() + 15
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("gateway did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+
+
+class GatewayProcess:
+    """``python -m gateway serve --config FILE`` as a child process (for signals and memory)."""
+
+    def __init__(self, config: dict, tmp_path: Path) -> None:
+        port = free_port()
+        config = {**config, "listen": {**config.get("listen", {}), "host": "127.0.0.1", "port": port}}
+        path = tmp_path / f"gateway-{port}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = tmp_path / f"gateway-{port}.log"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "serve", "--config", str(path)],
+            cwd=ROOT,
+            stdout=self.log.open("wb"),
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+
+    def start(self, timeout: float = 30) -> GatewayProcess:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"gateway exited: {self.log.read_text()}")
+            try:
+                if httpx.get(self.url + "/healthz", timeout=0.5).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError("gateway process did not start")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture
+def upstreams():
+    started: list[FakeUpstream] = []
+
+    def start(protocol: str = "http1", **defaults) -> FakeUpstream:
+        fake = FakeUpstream(protocol, **defaults).start()
+        started.append(fake)
+        return fake
+
+    yield start
+    for fake in started:
+        fake.stop()
+
+
+def cluster(*fakes: FakeUpstream, name: str = "central", models=("fake-model",), **endpoint) -> dict:
+    return {
+        "name": name,
+        "models": list(models),
+        "endpoints": [{"url": f.url, "protocol": f.protocol, **endpoint} for f in fakes],
+    }
+
+
+@pytest.fixture
+def gateways():
+    started: list[GatewayThread] = []
+
+    def start(config: dict) -> GatewayThread:
+        gw = GatewayThread(Settings.model_validate(config)).start()
+        started.append(gw)
+        return gw
+
+    yield start
+    for gw in started:
+        gw.stop()
+
+
+@pytest.fixture
+def gateway_processes(tmp_path):
+    started: list[GatewayProcess] = []
+
+    def start(config: dict) -> GatewayProcess:
+        gw = GatewayProcess(config, tmp_path).start()
+        started.append(gw)
+        return gw
+
+    yield start
+    for gw in started:
+        gw.stop()
