@@ -13,7 +13,9 @@
   rendezvous order whose in-flight count (with this request) stays within
   ``ceil((1 + affinity_load_factor) × mean) + affinity_load_slack`` is taken, so one hot
   conversation (or an unlucky hash) never piles onto a single replica; the slack keeps
-  affinity when the fleet is nearly idle.
+  affinity when the fleet is nearly idle. A replica predicted more than
+  ``affinity_max_ttft_ratio`` × the fastest one's TTFT is passed over too (a degraded
+  replica would otherwise keep its conversations and queue them).
 
 Pure functions of their arguments: the caller passes the ``HealthState``, ``now`` and
 the random source.
@@ -30,7 +32,15 @@ from hashlib import blake2b
 from .config import BalancerConfig
 from .health import EndpointHealth, HealthState
 
-__all__ = ["Pick", "endpoint_cost", "pick", "predicted_ttft_s", "rendezvous_order"]
+__all__ = [
+    "Pick",
+    "endpoint_cost",
+    "pick",
+    "pick_available",
+    "predicted_ttft_s",
+    "rendezvous_order",
+    "rendezvous_weight",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +72,11 @@ def endpoint_cost(h: EndpointHealth, prior_s: float, error_penalty: float) -> fl
     return predicted_ttft_s(h, prior_s) * (h.inflight + 1) * (1.0 + error_penalty * err)
 
 
+def rendezvous_weight(key: bytes, name: str) -> int:
+    """The rendezvous (highest-random-weight) score of ``name`` for ``key``."""
+    return int.from_bytes(blake2b(name.encode(), digest_size=8, key=key[:64]).digest(), "big")
+
+
 def _weight(key: bytes, endpoint: str) -> int:
     return int.from_bytes(blake2b(endpoint.encode(), digest_size=8, key=key[:64]).digest(), "big")
 
@@ -84,28 +99,51 @@ def pick(
     """Choose among ``endpoints`` (their breakers are consulted); ``None`` if none is
     available. ``prior_s`` is the TTFT assumed for endpoints not measured yet."""
     records = [health.endpoint(e) for e in endpoints if health.is_available(e, now)]
+    return pick_available(
+        records, config=config, prior_s=prior_s, affinity_key=affinity_key,
+        rng=rng if rng is not None else health.rng,
+    )
+
+
+def pick_available(
+    records: Sequence[EndpointHealth],
+    *,
+    config: BalancerConfig,
+    prior_s: float,
+    affinity_key: bytes | None,
+    rng: random.Random,
+) -> Pick | None:
+    """``pick`` over records already known to be available (the policy's fast path)."""
     if not records:
         return None
     penalty = config.error_penalty
     costs = {h.endpoint: endpoint_cost(h, prior_s, penalty) for h in records}
     if affinity_key is not None and config.affinity and len(records) > 1:
-        total = sum(h.inflight for h in records)
+        total = 0
+        fastest = float("inf")
+        for h in records:
+            total += h.inflight
+            p = predicted_ttft_s(h, prior_s)
+            if p < fastest:
+                fastest = p
         cap = math.ceil((1.0 + config.affinity_load_factor) * (total + 1) / len(records))
         cap += config.affinity_load_slack
-        by_name = {h.endpoint: h for h in records}
-        order = rendezvous_order(affinity_key, list(by_name))
-        for rank, ep in enumerate(order):
-            if by_name[ep].inflight + 1 <= cap:
+        slow = fastest * config.affinity_max_ttft_ratio
+        ranked = sorted(records, key=lambda h: _weight(affinity_key, h.endpoint), reverse=True)
+        for rank, h in enumerate(ranked):
+            if h.inflight + 1 <= cap and predicted_ttft_s(h, prior_s) <= slow:
+                ep = h.endpoint
                 others = tuple(sorted((e for e in costs if e != ep), key=costs.__getitem__))
                 return Pick(ep, others, "hit" if rank == 0 else "overflow", rank)
-        # unreachable: the least loaded endpoint always fits under the cap
+        # no replica is both under the load bound and fast enough: plain p2c below
     if len(records) == 1:
         chosen = records[0].endpoint
     else:
-        r = rng if rng is not None else health.rng
-        a, b = r.sample(records, 2)
-        ca, cb = costs[a.endpoint], costs[b.endpoint]
-        chosen = a.endpoint if ca <= cb else b.endpoint
+        a, b = rng.sample(records, 2)
+        chosen = a.endpoint if costs[a.endpoint] <= costs[b.endpoint] else b.endpoint
     others = tuple(sorted((e for e in costs if e != chosen), key=costs.__getitem__))
-    single_hit = affinity_key is not None and config.affinity and len(records) == 1
-    return Pick(chosen, others, "hit" if single_hit else None)
+    if affinity_key is None or not config.affinity:
+        return Pick(chosen, others)
+    if len(records) == 1:
+        return Pick(chosen, others, "hit")
+    return Pick(chosen, others, "overflow", len(records))

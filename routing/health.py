@@ -251,6 +251,21 @@ class HealthState:
             return h.inflight < self.config.half_open_probes
         return False
 
+    def available_record(self, endpoint: str, now: float) -> EndpointHealth | None:
+        """The record of ``endpoint`` if it may take a request now, else ``None``."""
+        h = self._endpoints.get(endpoint)
+        if h is None:
+            h = self.endpoint(endpoint)
+        b = h.breaker
+        if b.state is BreakerState.CLOSED:
+            return h
+        state = self._advance(h, now)
+        if state is BreakerState.CLOSED or (
+            state is BreakerState.HALF_OPEN and h.inflight < self.config.half_open_probes
+        ):
+            return h
+        return None
+
     def error_rate(self, endpoint: str, now: float) -> float:
         h = self.endpoint(endpoint)
         self._trim(h, now)

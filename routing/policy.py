@@ -9,7 +9,9 @@ Rules, in order:
 1. The model name is resolved through the aliases: ``auto`` (the gateway chooses), the
    edge model, or a central model. Unknown names raise ``UnknownModel``.
 2. Central candidates: every cluster serving the model, each scored by its best
-   available endpoint's predicted TTFT, best first. Prediction per endpoint, most
+   available endpoint's cost (predicted TTFT × (in-flight + 1) × error penalty), best
+   first; with an affinity key, the conversation's rendezvous choice among clusters
+   within ``affinity_max_ttft_ratio`` of the best goes first. Prediction per endpoint, most
    trusted first: the TTFT EWMA measured from this gateway; else probe RTT +
    ``prior_ttft_ms``; else the great-circle distance from the client (or its home
    region) to the cluster's region / ``km_per_rtt_ms`` + ``prior_ttft_ms``. Inside the
@@ -39,12 +41,12 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .balancer import pick, predicted_ttft_s
+from .balancer import endpoint_cost, pick_available, predicted_ttft_s, rendezvous_weight
 from .config import AUTO, EDGE, RoutingConfig
 from .errors import NoRoute
 from .features import request_from_openai
 from .geo import GeoLocator, client_address
-from .health import HealthState
+from .health import EndpointHealth, HealthState
 from .table import Cluster, RoutingTable
 from .types import ClusterSpec, EdgeStats, Location, RouteDecision, RouteRequest, Target, TargetKind
 
@@ -54,16 +56,14 @@ _ENDPOINT = TargetKind.ENDPOINT
 _EDGE = TargetKind.EDGE
 
 
-def _network_prior_s(table: RoutingTable, request: RouteRequest, home: str, region: str) -> float:
-    """Prior TTFT (s) for an unmeasured endpoint in ``region``: distance RTT + prior."""
-    pol = table.config.policy
-    km = table.distance_km(request.location, region)
-    if km is None:
-        home_r = table.regions[home]
-        if home_r.latitude is not None and home_r.longitude is not None:
-            km = table.distance_km(Location(latitude=home_r.latitude, longitude=home_r.longitude), region)
-    rtt_ms = 0.0 if km is None else km / pol.km_per_rtt_ms
-    return (rtt_ms + pol.prior_ttft_ms) / 1e3
+def _distances(table: RoutingTable, request: RouteRequest, home: str) -> dict[str, float]:
+    """Client → region distances; from the home region when the client is not located."""
+    d = table.distances_km(request.location)
+    if not d:
+        r = table.regions[home]
+        if r.latitude is not None and r.longitude is not None:
+            d = table.distances_km(Location(latitude=r.latitude, longitude=r.longitude))
+    return d
 
 
 def _central_targets(
@@ -78,38 +78,53 @@ def _central_targets(
 ) -> tuple[list[Target], str | None]:
     """Central targets for ``model``, best first, and the affinity outcome."""
     cfg = table.config
-    scored: list[tuple[float, Cluster, float]] = []
+    pol = cfg.policy
+    dist = _distances(table, request, home)
+    penalty = cfg.balancer.error_penalty
+    scored: list[tuple[float, Cluster, float, list[EndpointHealth]]] = []
     ejected: list[str] = []
     for cluster in table.clusters_for(model):
-        prior_s = _network_prior_s(table, request, home, cluster.region)
+        km = dist.get(cluster.region)
+        prior_s = ((0.0 if km is None else km / pol.km_per_rtt_ms) + pol.prior_ttft_ms) / 1e3
+        avail = []
         best = math.inf
         for ep in cluster.endpoints:
-            if health.is_available(ep, now):
-                p = predicted_ttft_s(health.endpoint(ep), prior_s)
-                if p < best:
-                    best = p
-        if best == math.inf:
-            ejected.append(cluster.name)
+            h = health.available_record(ep, now)
+            if h is not None:
+                avail.append(h)
+                c = endpoint_cost(h, prior_s, penalty)
+                if c < best:
+                    best = c
+        if avail:
+            scored.append((best, cluster, prior_s, avail))
         else:
-            scored.append((best, cluster, prior_s))
+            ejected.append(cluster.name)
     if ejected:
         reasons.append(f"skipped {','.join(ejected)}: all endpoints ejected")
     if not scored:
         return [], None
-    scored.sort(key=lambda t: t[0])
-    targets: list[Target] = []
-    affinity = None
-    best_s, cluster, prior_s = scored[0]
-    chosen = pick(
-        cluster.endpoints,
-        health,
-        now,
+    if len(scored) > 1:
+        scored.sort(key=lambda t: t[0])
+        key = request.affinity_key
+        if key is not None and cfg.balancer.affinity:
+            # sticky across regions too: among clusters whose cost is within
+            # affinity_max_ttft_ratio of the best, the conversation's rendezvous choice
+            bound = scored[0][0] * cfg.balancer.affinity_max_ttft_ratio
+            near = [t for t in scored if t[0] <= bound]
+            if len(near) > 1:
+                first = max(near, key=lambda t: rendezvous_weight(key, t[1].name))
+                scored.remove(first)
+                scored.insert(0, first)
+    _, cluster, prior_s, avail = scored[0]
+    chosen = pick_available(
+        avail,
         config=cfg.balancer,
         prior_s=prior_s,
         affinity_key=request.affinity_key,
-        rng=rng,
+        rng=rng if rng is not None else health.rng,
     )
     assert chosen is not None  # the cluster has an available endpoint
+    affinity = None
     if chosen.affinity is not None:
         src = request.affinity_source or "key"
         if chosen.affinity == "hit":
@@ -117,25 +132,29 @@ def _central_targets(
             reasons.append(f"{src} affinity -> {chosen.endpoint}")
         else:
             affinity = f"{src}-overflow"
-            reasons.append(f"{src} affinity overflow to rank {chosen.affinity_rank} (load)")
+            reasons.append(f"{src} affinity overflow to rank {chosen.affinity_rank} (load or latency)")
+    by_ep = {h.endpoint: h for h in avail}
+    region, name = cluster.region, cluster.name
 
-    def target(c: Cluster, ep: str, p_s: float) -> Target:
-        pred = predicted_ttft_s(health.endpoint(ep), p_s) * 1e3
-        return Target(_ENDPOINT, model, c.region, c.name, ep, pred)
+    def target(c: Cluster, h: EndpointHealth, p_s: float) -> Target:
+        return Target(_ENDPOINT, model, c.region, c.name, h.endpoint, predicted_ttft_s(h, p_s) * 1e3)
 
-    targets.append(target(cluster, chosen.endpoint, prior_s))
-    same = [target(cluster, ep, prior_s) for ep in chosen.others]
-    # one more replica of the same cluster first (cheap), then the other regions
-    targets.extend(same[:1])
-    for _, other, other_prior in scored[1:]:
-        eps = [e for e in other.endpoints if health.is_available(e, now)]
-        best_ep = min(eps, key=lambda e: predicted_ttft_s(health.endpoint(e), other_prior) * (health.endpoint(e).inflight + 1))
-        targets.append(target(other, best_ep, other_prior))
-    targets.extend(same[1:])
-    if len(scored) > 1 or home != cluster.region:
-        reasons.append(
-            f"region {cluster.region} ({cluster.name}) predicted {targets[0].predicted_ttft_ms:.0f}ms"
-        )
+    limit = pol.max_fallbacks + 1
+    targets = [target(cluster, by_ep[chosen.endpoint], prior_s)]
+    others = chosen.others
+    if others:  # one more replica of the same cluster first (cheap), then other regions
+        targets.append(target(cluster, by_ep[others[0]], prior_s))
+    for _, other, other_prior, other_avail in scored[1:]:
+        if len(targets) >= limit:
+            break
+        best_h = min(other_avail, key=lambda h: predicted_ttft_s(h, other_prior) * (h.inflight + 1))
+        targets.append(target(other, best_h, other_prior))
+    for ep in others[1:]:
+        if len(targets) >= limit:
+            break
+        targets.append(target(cluster, by_ep[ep], prior_s))
+    if len(scored) > 1 or home != region:
+        reasons.append(f"region {region} ({name}) predicted {targets[0].predicted_ttft_ms:.0f}ms")
     return targets, affinity
 
 

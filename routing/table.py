@@ -65,6 +65,7 @@ class RoutingTable:
         "_by_model",
         "_routes",
         "_coords",
+        "_distance_memo",
     )
 
     def __init__(
@@ -93,6 +94,7 @@ class RoutingTable:
             for r in regions.values()
             if r.latitude is not None and r.longitude is not None
         ]
+        self._distance_memo: dict[tuple[float, float], dict[str, float]] = {}
         central = config.policy.central_model
         if central is None:
             local = [clusters[c] for c in regions[local_region].clusters]
@@ -204,17 +206,27 @@ class RoutingTable:
             return None
         return haversine_km(location.latitude, location.longitude, r.latitude, r.longitude)
 
+    def distances_km(self, location: Location | None) -> dict[str, float]:
+        """Great-circle distance from ``location`` to every region with coordinates
+        (empty when the location is unknown). Memoised per coordinate pair: clients
+        come from a limited set of GeoIP city coordinates."""
+        if location is None or location.latitude is None or location.longitude is None:
+            return {}
+        point = (location.latitude, location.longitude)
+        memo = self._distance_memo.get(point)
+        if memo is None:
+            if len(self._distance_memo) >= 16384:
+                self._distance_memo.clear()
+            memo = {n: haversine_km(point[0], point[1], la, lo) for n, la, lo in self._coords}  # type: ignore[arg-type]
+            self._distance_memo[point] = memo
+        return memo
+
     def home_region(self, location: Location | None) -> str:
         """The region nearest to ``location``; the default region when unknown."""
-        if location is None or location.latitude is None or location.longitude is None:
+        distances = self.distances_km(location)
+        if not distances:
             return self.default_region
-        lat, lon = location.latitude, location.longitude
-        best, best_d = self.default_region, float("inf")
-        for name, rlat, rlon in self._coords:
-            d = haversine_km(lat, lon, rlat, rlon)  # type: ignore[arg-type]
-            if d < best_d:
-                best, best_d = name, d
-        return best
+        return min(distances, key=distances.__getitem__)
 
     def __repr__(self) -> str:
         return (
