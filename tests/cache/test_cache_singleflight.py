@@ -57,7 +57,9 @@ async def test_in_process_one_leader_followers_get_every_chunk(flights: SingleFl
     assert len(leaders) == 1
     followers = [f for f in joined if not f.is_leader]
     assert flights.metrics.counts["coalesced:local"] == 9
-    results = await asyncio.gather(lead(leaders[0], CHUNKS), *(collect(f) for f in followers))
+    results = await asyncio.wait_for(
+        asyncio.gather(lead(leaders[0], CHUNKS), *(collect(f) for f in followers)), 5.0
+    )
     assert all(r == CHUNKS for r in results[1:])
     assert len(flights) == 0  # the finished flight is gone: the next join leads
     nxt = await flights.join("k")
@@ -98,7 +100,7 @@ async def test_follower_joining_late_reads_from_the_start(flights: SingleFlight)
     task = asyncio.create_task(collect(follower))
     await leader.publish(CHUNKS[2])
     await leader.finish(Entry(kind="chat", chunks=CHUNKS[:3]))
-    assert await task == CHUNKS[:3]
+    assert await asyncio.wait_for(task, 1.0) == CHUNKS[:3]
     assert (await follower.wait()).chunks == CHUNKS[:3]
 
 
@@ -111,7 +113,7 @@ async def test_leader_abort_signals_followers(flights: SingleFlight) -> None:
     await leader.abort("upstream 500")
     for task in tasks:
         with pytest.raises(FlightAborted, match="upstream 500"):
-            await task
+            await asyncio.wait_for(task, 1.0)
     with pytest.raises(FlightAborted):
         await followers[0].wait()
     assert leader.status == "aborted"
@@ -130,7 +132,7 @@ async def test_leader_leaving_without_finish_aborts(flights: SingleFlight) -> No
             await leader.publish(CHUNKS[0])
             raise RuntimeError("broken upstream stream")
     with pytest.raises(FlightAborted, match="RuntimeError"):
-        await follower_task
+        await asyncio.wait_for(follower_task, 1.0)
 
 
 async def test_cancelled_leader_aborts_rather_than_hanging(flights: SingleFlight) -> None:
@@ -191,8 +193,8 @@ async def test_across_replicas_one_leader(
     assert [f.is_leader for f in flights].count(True) == 1 and first.is_leader
     assert b.metrics.counts["coalesced:redis"] == 1  # B follows through one Redis pump
     assert b.metrics.counts["coalesced:local"] == 3
-    results = await asyncio.gather(
-        lead(first, chat_chunks, delay=0.01), *(collect(f) for f in joined)
+    results = await asyncio.wait_for(
+        asyncio.gather(lead(first, chat_chunks, delay=0.01), *(collect(f) for f in joined)), 5.0
     )
     assert all(r == chat_chunks for r in results[1:])
     remote_entry = await joined[0].wait()
