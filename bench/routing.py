@@ -16,7 +16,7 @@ arrivals. Strategies:
 Reported: p50/p99 TTFT, KV prefix hit rate (follow-up turns landing on a replica that
 holds their prefix), and the wall-clock cost of ``decide()`` per request.
 
-    .venv/bin/python bench/routing.py [--requests 20000] [--rate 30] [--seed 1]
+    .venv/bin/python bench/routing.py [--requests 20000] [--rate 20] [--cluster-ratio 1.25] [--seed 1]
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ TURN_TOKENS = 250
 TURNS = 8
 CONVERSATIONS = 500
 CACHE_CONVERSATIONS = 40  # prefix-cache capacity per replica, in conversations
+CLUSTER_RATIO = 1.25  # balancer.affinity_cluster_ratio (the default); --cluster-ratio
 CLIENT = Location("US", "San Francisco", 37.77, -122.42)
 
 
@@ -91,6 +92,7 @@ def build_fleet() -> tuple[list[Replica], list[ClusterSpec], RoutingConfig]:
         default_region="us-west",
         hedging={"enabled": True},
         policy={"prior_ttft_ms": 200.0},
+        balancer={"affinity_cluster_ratio": CLUSTER_RATIO},
     )
     return replicas, specs, config
 
@@ -189,11 +191,14 @@ def simulate(strategy: str, n: int, rate: float, seed: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=20_000)
-    ap.add_argument("--rate", type=float, default=30.0, help="arrivals per simulated second")
+    ap.add_argument("--rate", type=float, default=20.0, help="arrivals per simulated second")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--cluster-ratio", type=float, default=1.25, help="balancer.affinity_cluster_ratio")
     args = ap.parse_args()
+    global CLUSTER_RATIO
+    CLUSTER_RATIO = args.cluster_ratio
     rows = [simulate(s, args.requests, args.rate, args.seed) for s in ("edgegw", "round-robin", "random")]
-    print(f"{args.requests} requests, {args.rate:g}/s, {CONVERSATIONS} Zipf(1.1) conversations of "
+    print(f"affinity_cluster_ratio={CLUSTER_RATIO:g}; {args.requests} requests, {args.rate:g}/s, {CONVERSATIONS} Zipf(1.1) conversations of "
           f"{TURNS} turns, 3 clusters x 3 replicas (RTT 10/70/150 ms, one slow replica)\n")
     print("| strategy | TTFT p50 (ms) | TTFT p99 (ms) | KV prefix hit rate | decide() p50 / p99 (µs) |")
     print("|---|---:|---:|---:|---:|")

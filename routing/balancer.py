@@ -72,13 +72,32 @@ def endpoint_cost(h: EndpointHealth, prior_s: float, error_penalty: float) -> fl
     return predicted_ttft_s(h, prior_s) * (h.inflight + 1) * (1.0 + error_penalty * err)
 
 
+_M64 = (1 << 64) - 1
+_node_ids: dict[str, int] = {}  # memo: name -> 64-bit id (names are few and long-lived)
+
+
+def _node_id(name: str) -> int:
+    v = _node_ids.get(name)
+    if v is None:
+        if len(_node_ids) >= 65536:
+            _node_ids.clear()
+        v = _node_ids[name] = int.from_bytes(blake2b(name.encode(), digest_size=8).digest(), "big")
+    return v
+
+
 def rendezvous_weight(key: bytes, name: str) -> int:
-    """The rendezvous (highest-random-weight) score of ``name`` for ``key``."""
-    return int.from_bytes(blake2b(name.encode(), digest_size=8, key=key[:64]).digest(), "big")
+    """The rendezvous (highest-random-weight) score of ``name`` for ``key``.
+
+    splitmix64 of (first 8 bytes of the key XOR a blake2b id of the name): stable across
+    processes and restarts (unlike ``hash()``), and cheap per request.
+    """
+    z = (int.from_bytes(key[:8], "big") ^ _node_id(name)) + 0x9E3779B97F4A7C15 & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
 
 
-def _weight(key: bytes, endpoint: str) -> int:
-    return int.from_bytes(blake2b(endpoint.encode(), digest_size=8, key=key[:64]).digest(), "big")
+_weight = rendezvous_weight
 
 
 def rendezvous_order(key: bytes, endpoints: Sequence[str]) -> list[str]:
@@ -112,26 +131,27 @@ def pick_available(
     prior_s: float,
     affinity_key: bytes | None,
     rng: random.Random,
+    costs: dict[str, float] | None = None,
 ) -> Pick | None:
-    """``pick`` over records already known to be available (the policy's fast path)."""
+    """``pick`` over records already known to be available (the policy's fast path).
+    ``costs``: ``endpoint_cost`` per endpoint if the caller has them already."""
     if not records:
         return None
-    penalty = config.error_penalty
-    costs = {h.endpoint: endpoint_cost(h, prior_s, penalty) for h in records}
+    if costs is None:
+        penalty = config.error_penalty
+        costs = {h.endpoint: endpoint_cost(h, prior_s, penalty) for h in records}
     if affinity_key is not None and config.affinity and len(records) > 1:
         total = 0
-        fastest = float("inf")
+        predicted = {}
         for h in records:
             total += h.inflight
-            p = predicted_ttft_s(h, prior_s)
-            if p < fastest:
-                fastest = p
+            predicted[h.endpoint] = predicted_ttft_s(h, prior_s)
         cap = math.ceil((1.0 + config.affinity_load_factor) * (total + 1) / len(records))
         cap += config.affinity_load_slack
-        slow = fastest * config.affinity_max_ttft_ratio
+        slow = min(predicted.values()) * config.affinity_max_ttft_ratio
         ranked = sorted(records, key=lambda h: _weight(affinity_key, h.endpoint), reverse=True)
         for rank, h in enumerate(ranked):
-            if h.inflight + 1 <= cap and predicted_ttft_s(h, prior_s) <= slow:
+            if h.inflight + 1 <= cap and predicted[h.endpoint] <= slow:
                 ep = h.endpoint
                 others = tuple(sorted((e for e in costs if e != ep), key=costs.__getitem__))
                 return Pick(ep, others, "hit" if rank == 0 else "overflow", rank)

@@ -63,6 +63,7 @@ class BalancerConfig(_Model):
     affinity_load_factor: float = Field(default=0.25, ge=0)  # bounded load: (1+f)·mean in-flight
     affinity_load_slack: int = Field(default=2, ge=0)  # in-flight allowed above that bound
     affinity_max_ttft_ratio: float = Field(default=2.0, ge=1)  # skip a replica this much slower
+    affinity_cluster_ratio: float = Field(default=1.25, ge=1)  # sticky cluster if cost within
     error_penalty: float = Field(default=4.0, ge=0)  # cost multiplier per unit error rate
 
 

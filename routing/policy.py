@@ -11,7 +11,7 @@ Rules, in order:
 2. Central candidates: every cluster serving the model, each scored by its best
    available endpoint's cost (predicted TTFT × (in-flight + 1) × error penalty), best
    first; with an affinity key, the conversation's rendezvous choice among clusters
-   within ``affinity_max_ttft_ratio`` of the best goes first. Prediction per endpoint, most
+   within ``affinity_cluster_ratio`` of the best goes first. Prediction per endpoint, most
    trusted first: the TTFT EWMA measured from this gateway; else probe RTT +
    ``prior_ttft_ms``; else the great-circle distance from the client (or its home
    region) to the cluster's region / ``km_per_rtt_ms`` + ``prior_ttft_ms``. Inside the
@@ -81,22 +81,23 @@ def _central_targets(
     pol = cfg.policy
     dist = _distances(table, request, home)
     penalty = cfg.balancer.error_penalty
-    scored: list[tuple[float, Cluster, float, list[EndpointHealth]]] = []
+    scored: list[tuple[float, Cluster, float, list[EndpointHealth], dict[str, float]]] = []
     ejected: list[str] = []
     for cluster in table.clusters_for(model):
         km = dist.get(cluster.region)
         prior_s = ((0.0 if km is None else km / pol.km_per_rtt_ms) + pol.prior_ttft_ms) / 1e3
         avail = []
+        costs = {}
         best = math.inf
         for ep in cluster.endpoints:
             h = health.available_record(ep, now)
             if h is not None:
                 avail.append(h)
-                c = endpoint_cost(h, prior_s, penalty)
+                c = costs[ep] = endpoint_cost(h, prior_s, penalty)
                 if c < best:
                     best = c
         if avail:
-            scored.append((best, cluster, prior_s, avail))
+            scored.append((best, cluster, prior_s, avail, costs))
         else:
             ejected.append(cluster.name)
     if ejected:
@@ -108,20 +109,21 @@ def _central_targets(
         key = request.affinity_key
         if key is not None and cfg.balancer.affinity:
             # sticky across regions too: among clusters whose cost is within
-            # affinity_max_ttft_ratio of the best, the conversation's rendezvous choice
-            bound = scored[0][0] * cfg.balancer.affinity_max_ttft_ratio
+            # affinity_cluster_ratio of the best, the conversation's rendezvous choice
+            bound = scored[0][0] * cfg.balancer.affinity_cluster_ratio
             near = [t for t in scored if t[0] <= bound]
             if len(near) > 1:
                 first = max(near, key=lambda t: rendezvous_weight(key, t[1].name))
                 scored.remove(first)
                 scored.insert(0, first)
-    _, cluster, prior_s, avail = scored[0]
+    _, cluster, prior_s, avail, costs = scored[0]
     chosen = pick_available(
         avail,
         config=cfg.balancer,
         prior_s=prior_s,
         affinity_key=request.affinity_key,
         rng=rng if rng is not None else health.rng,
+        costs=costs,
     )
     assert chosen is not None  # the cluster has an available endpoint
     affinity = None
@@ -144,10 +146,10 @@ def _central_targets(
     others = chosen.others
     if others:  # one more replica of the same cluster first (cheap), then other regions
         targets.append(target(cluster, by_ep[others[0]], prior_s))
-    for _, other, other_prior, other_avail in scored[1:]:
+    for _, other, other_prior, other_avail, other_costs in scored[1:]:
         if len(targets) >= limit:
             break
-        best_h = min(other_avail, key=lambda h: predicted_ttft_s(h, other_prior) * (h.inflight + 1))
+        best_h = min(other_avail, key=lambda h: other_costs[h.endpoint])
         targets.append(target(other, best_h, other_prior))
     for ep in others[1:]:
         if len(targets) >= limit:
