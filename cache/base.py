@@ -71,7 +71,7 @@ class Entry:
     @classmethod
     def from_bytes(cls, data: bytes) -> Entry:
         """Inverse of `to_bytes`; raises ValueError on anything malformed."""
-        if data[:4] != _MAGIC:
+        if len(data) < 8 or data[:4] != _MAGIC:
             raise ValueError("not a serialised cache entry")
         (header_len,) = _HEADER_LEN.unpack_from(data, 4)
         pos = 8 + header_len
@@ -89,7 +89,7 @@ class Entry:
             for n in header["c"]:
                 chunks.append(data[pos : pos + n])
                 pos += n
-        if pos != len(data):
+        if pos != len(data) or pos < 8 + header_len:
             raise ValueError("cache entry length mismatch")
         return cls(kind=header["k"], chunks=chunks, body=body, created_at=header["t"])
 

@@ -28,8 +28,9 @@ class CacheConfig(BaseModel):
     default_greedy: bool = True
     # Redis URL for the "redis"/"tiered" backends and cross-replica single-flight
     redis_url: str = "redis://127.0.0.1:6379/0"
-    # per-command Redis timeout in seconds; a slower answer counts as an error and a miss
-    redis_timeout: float = Field(default=0.05, gt=0)
+    # per-command Redis timeout in seconds (raise it for a cross-region Redis); a slower
+    # answer counts as an error and a miss
+    redis_timeout: float = Field(default=0.1, gt=0)
     # Redis connect timeout in seconds
     redis_connect_timeout: float = Field(default=0.2, gt=0)
     # seconds Redis is skipped after an error (circuit open) before it is tried again

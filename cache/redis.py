@@ -131,6 +131,11 @@ class RedisCache(CacheBackend):
             self.metrics.stored(self.name, entry.size)
         return ok
 
+    async def ping(self) -> bool:
+        """Connect and check Redis (for start-up warm-up and readiness); never raises."""
+        ok, _ = await self._call("ping", self._client.ping)
+        return ok
+
     async def delete(self, key: str) -> None:
         await self._call("delete", lambda: self._client.delete(self.redis_key(key)))
 

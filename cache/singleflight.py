@@ -67,6 +67,8 @@ class _State:
         self.entry: Entry | None = None
         self.reason = ""
         self.scope = "local"  # local | redis (this process follows a remote leader)
+        # the leader's Redis writer queue, when this process leads while holding the lock
+        self.writer: asyncio.Queue[tuple[str, Any]] | None = None
         self._changed = asyncio.Event()
         self._on_end = on_end
 
@@ -77,17 +79,25 @@ class _State:
     def append(self, chunk: bytes) -> None:
         if self.status == "running":
             self.chunks.append(chunk)
+            if self.writer is not None:
+                self.writer.put_nowait(("c", chunk))
             self._notify()
 
     def finish(self, entry: Entry) -> None:
         if self.status == "running":
             self.status, self.entry = "done", entry
+            if self.writer is not None:
+                self.writer.put_nowait(("d", entry))
             self._notify()
             self._on_end(self)
 
     def abort(self, reason: str) -> None:
+        """Synchronous, so it is safe under cancellation; the Redis marker is written by
+        the writer task."""
         if self.status == "running":
             self.status, self.reason = "aborted", reason
+            if self.writer is not None:
+                self.writer.put_nowait(("a", reason))
             self._notify()
             self._on_end(self)
 
@@ -101,13 +111,11 @@ class _State:
 class Flight:
     """One request's handle on a flight: the leader's or a follower's."""
 
-    def __init__(self, flights: SingleFlight, state: _State, is_leader: bool,
-                 writer: asyncio.Queue[tuple[str, Any]] | None = None) -> None:
+    def __init__(self, flights: SingleFlight, state: _State, is_leader: bool) -> None:
         self.key = state.key
         self.is_leader = is_leader
         self._flights = flights
         self._state = state
-        self._writer = writer  # the leader's Redis writer queue, when it holds the lock
 
     def __repr__(self) -> str:
         role = "leader" if self.is_leader else "follower"
@@ -128,8 +136,6 @@ class Flight:
         if self._state.status != "running":
             return
         self._state.append(chunk)
-        if self._writer is not None:
-            self._writer.put_nowait(("c", chunk))
 
     async def finish(self, entry: Entry) -> None:
         """The response completed: followers get the rest and `entry`."""
@@ -142,8 +148,6 @@ class Flight:
         if entry.chunks is not None and len(entry.chunks) > published:
             for chunk in entry.chunks[published:]:
                 self._publish_nowait(chunk)
-        if self._writer is not None:
-            self._writer.put_nowait(("d", entry))
         state.finish(entry)
 
     async def abort(self, reason: str = "aborted") -> None:
@@ -151,9 +155,7 @@ class Flight:
         self._abort_nowait(reason)
 
     def _abort_nowait(self, reason: str) -> None:
-        if self.is_leader and self._state.status == "running":
-            if self._writer is not None:
-                self._writer.put_nowait(("a", reason))
+        if self.is_leader:
             self._state.abort(reason)
 
     async def release(self, exc: BaseException | None = None) -> None:
@@ -302,11 +304,10 @@ class SingleFlight:
             state.abort("cancelled while joining")
             raise
         if holder is None:  # we hold the lock, or Redis failed and we lead without it
-            writer: asyncio.Queue[tuple[str, Any]] | None = None
-            if owned:
-                writer = asyncio.Queue()
-                self._spawn(self._write(state, token, writer))
-            return Flight(self, state, is_leader=True, writer=writer)
+            if owned and state.status == "running":
+                state.writer = asyncio.Queue()
+                self._spawn(self._write(state, token, state.writer))
+            return Flight(self, state, is_leader=True)
         state.scope = "redis"
         self.metrics.coalesced("redis")
         self._spawn(self._pump(state, holder))
@@ -352,9 +353,7 @@ class SingleFlight:
                 item = await asyncio.wait_for(queue.get(), self.lock_ttl / 3)
                 batch = [item]
             except asyncio.TimeoutError:
-                batch = []
-                if state.status == "aborted" and queue.empty():
-                    batch = [("a", state.reason)]  # ended without going through the Flight
+                batch = []  # nothing new: just heartbeat the lock
             while not queue.empty():
                 batch.append(queue.get_nowait())
             try:

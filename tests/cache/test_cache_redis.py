@@ -23,6 +23,7 @@ async def rcache(redis_url: str, namespace: str):
 
 
 async def test_round_trip(rcache: RedisCache, chat_chunks: list[bytes], chat_body: bytes) -> None:
+    assert await rcache.ping()
     assert await rcache.get("k1") is None
     streamed = Entry(kind="chat", chunks=chat_chunks, created_at=time.time())
     assert await rcache.set("k1", streamed, ttl=30)
@@ -78,6 +79,7 @@ async def test_unreachable_redis_degrades_to_misses() -> None:
         started = time.perf_counter()
         assert await cache.get("k") is None
         assert await cache.set("k", Entry(kind="chat", body=b"{}"), ttl=30) is False
+        assert await cache.ping() is False
         assert time.perf_counter() - started < 0.5
         assert metrics.counts["errors:redis:get"] == 1
         assert cache.circuit.state == "open"

@@ -156,5 +156,8 @@ def test_entry_serialisation_round_trip(chat_body: bytes, chat_chunks: list[byte
         Entry.from_bytes(b"garbage")
     with pytest.raises(ValueError):
         Entry.from_bytes(Entry(kind="chat", body=b"{}").to_bytes() + b"x")
+    for broken in (b"EGW1", Entry(kind="chat", chunks=[b"abc"]).to_bytes()[:-1], b""):
+        with pytest.raises(ValueError):
+            Entry.from_bytes(broken)
     with pytest.raises(ValueError):
         Entry(kind="chat")

@@ -279,6 +279,28 @@ async def test_long_leader_keeps_its_lock_alive(
     assert await asyncio.wait_for(task, 2.0) == CHUNKS[:3]
 
 
+async def test_closing_a_replica_aborts_its_flights_everywhere(
+    redis_url: str, namespace: str, raw_redis: redis.Redis
+) -> None:
+    a = SingleFlight(redis_url, namespace=namespace, lock_ttl=30.0, timeout=0.5, block=0.2)
+    b = SingleFlight(redis_url, namespace=namespace, lock_ttl=30.0, timeout=0.5, block=0.2)
+    try:
+        leader = await a.join("k")
+        local = await a.join("k")
+        remote = await b.join("k")
+        tasks = [asyncio.create_task(collect(f)) for f in (local, remote)]
+        await leader.publish(CHUNKS[0])
+        await asyncio.sleep(0.05)
+        await a.close()  # shutdown: the abort marker reaches B long before the 30 s lock TTL
+        for task in tasks:
+            with pytest.raises(FlightAborted, match="shutting down"):
+                await asyncio.wait_for(task, 2.0)
+        assert raw_redis.exists(a.lock_key("k")) == 0
+    finally:
+        await a.close()
+        await b.close()
+
+
 async def test_unreachable_redis_falls_back_to_in_process() -> None:
     metrics = CacheMetrics()
     sf = SingleFlight("redis://127.0.0.1:1/0", timeout=0.2, metrics=metrics)
