@@ -155,7 +155,10 @@ class Engine:
 
     # -- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
-        """Start the step thread (idempotent)."""
+        """Start the step thread (idempotent; also restarts an engine after ``close()``)."""
+        if self._closed and self._thread is None:
+            self._closed = False
+            self._stopping = False
         self._start_thread()
 
     def _start_thread(self) -> None:

@@ -1,0 +1,129 @@
+"""The OpenAI seam (OpenAIServing) and the standalone server over it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import orjson
+import pytest
+
+from edge_engine import EngineOverloadedError, InvalidRequestError, OpenAIServing
+from edge_engine.server import create_app
+
+CHAT = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 8, "temperature": 0}
+
+
+@pytest.fixture
+def serving(tiny_engine):
+    return OpenAIServing(tiny_engine, "tiny")
+
+
+@pytest.mark.parametrize(
+    ("kind", "body", "param"),
+    [
+        pytest.param("chat", {"messages": []}, "messages", id="no-messages"),
+        pytest.param("chat", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", id="bad-role"),
+        pytest.param("chat", {**CHAT, "temperature": -1}, "temperature", id="negative-temperature"),
+        pytest.param("chat", {**CHAT, "temperature": "0"}, "temperature", id="temperature-type"),
+        pytest.param("chat", {**CHAT, "top_p": 0}, "top_p", id="top-p-zero"),
+        pytest.param("chat", {**CHAT, "top_p": 1.01}, "top_p", id="top-p-above-one"),
+        pytest.param("chat", {**CHAT, "max_tokens": "8"}, "max_tokens", id="max-tokens-type"),
+        pytest.param("chat", {**CHAT, "max_tokens": 10_000}, "max_tokens", id="max-tokens-beyond-context"),
+        pytest.param("chat", {**CHAT, "max_completion_tokens": 10_000}, "max_completion_tokens", id="max-completion-tokens"),
+        pytest.param("chat", {**CHAT, "n": 2}, "n", id="n"),
+        pytest.param("chat", {**CHAT, "stream": "yes"}, "stream", id="stream-type"),
+        pytest.param("chat", {**CHAT, "seed": "1"}, "seed", id="seed-type"),
+        pytest.param("completion", {"prompt": "Hello " * 400}, "prompt", id="prompt-beyond-context"),
+        pytest.param("completion", {"prompt": {"x": 1}}, "prompt", id="prompt-type"),
+        pytest.param("completion", {"prompt": [1, 2, 10**6]}, "prompt", id="token-out-of-vocab"),
+        pytest.param("completion", {"prompt": "Hi", "logprobs": 9}, "logprobs", id="completion-logprobs"),
+    ],
+)
+def test_bad_requests_are_400_naming_the_parameter(serving, kind, body, param):
+    with pytest.raises(InvalidRequestError) as info:
+        serving.prepare(kind, body)
+    error = info.value.to_dict()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"]
+    assert info.value.status_code == 400
+
+
+async def test_stream_yields_openai_chat_chunks_then_usage(serving):
+    prepared = serving.prepare("chat", {**CHAT, "stream": True, "stream_options": {"include_usage": True}})
+    assert prepared.stream and prepared.include_usage and prepared.num_prompt_tokens > 10
+    chunks = [orjson.loads(c) async for c in serving.stream(prepared, "chatcmpl-1")]
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == "chatcmpl-1" and c["model"] == "tiny" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks[:-1]]
+    assert finishes[-1] in ("stop", "length") and set(finishes[:-1]) == {None}
+    usage = chunks[-1]
+    assert usage["choices"] == [] and usage["usage"]["prompt_tokens"] == prepared.num_prompt_tokens
+    assert 1 <= usage["usage"]["completion_tokens"] <= 8
+    assert all(c["usage"] is None for c in chunks[:-1])
+
+
+async def test_complete_equals_the_joined_stream(serving):
+    body = {**CHAT, "max_tokens": 12}
+    streamed = [orjson.loads(c) async for c in serving.stream(serving.prepare("chat", {**body, "stream": True}), "a")]
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in streamed)
+    full = orjson.loads(await serving.complete(serving.prepare("chat", body), "b"))
+    assert full["object"] == "chat.completion"
+    assert full["choices"][0]["message"] == {"role": "assistant", "content": text}
+    assert full["usage"]["total_tokens"] == full["usage"]["prompt_tokens"] + full["usage"]["completion_tokens"]
+
+
+async def test_completion_with_logprobs(serving):
+    prepared = serving.prepare("completion", {"prompt": "Hello", "max_tokens": 4, "temperature": 0, "logprobs": 2, "ignore_eos": True})
+    body = orjson.loads(await serving.complete(prepared, "cmpl-1"))
+    choice = body["choices"][0]
+    assert body["object"] == "text_completion" and choice["finish_reason"] == "length"
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 4
+    assert "".join(lp["tokens"]) == choice["text"]
+    chat = serving.prepare("chat", {**CHAT, "logprobs": True, "top_logprobs": 2, "max_tokens": 3})
+    chunks = [orjson.loads(c) async for c in serving.stream(chat, "x")]
+    entries = [e for c in chunks if c["choices"][0]["logprobs"] for e in c["choices"][0]["logprobs"]["content"]]
+    assert entries and all(set(e) == {"token", "logprob", "bytes", "top_logprobs"} and len(e["top_logprobs"]) == 2 for e in entries)
+
+
+async def test_closing_the_stream_frees_the_sequence(serving, tiny_engine):
+    prepared = serving.prepare("completion", {"prompt": "Hello", "max_tokens": 200, "ignore_eos": True, "stream": True})
+    stream = serving.stream(prepared, "cmpl-2")
+    await stream.__anext__()
+    await stream.__anext__()
+    await stream.aclose()
+    for _ in range(500):
+        stats = tiny_engine.stats()
+        if stats.num_running == 0 and stats.num_kv_blocks_used == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert stats.num_running == 0 and stats.num_kv_blocks_used == 0
+
+
+def test_overload_raises_before_queueing(serving, tiny_engine, monkeypatch):
+    monkeypatch.setattr(tiny_engine.config, "max_queue_len", 0)  # the queue is "full" already
+    with pytest.raises(EngineOverloadedError) as info:
+        serving.prepare("chat", CHAT)
+    assert info.value.retry_after >= 1 and info.value.status_code == 503
+
+
+async def test_server_speaks_openai_sse(tiny_engine, monkeypatch):
+    app = create_app(tiny_engine, "tiny")
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        assert (await client.get("/health")).json() == {"status": "ok"}
+        assert (await client.get("/v1/models")).json()["data"][0]["id"] == "tiny"
+        r = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.text.split("\n\n") if line]
+        assert events[-1] == "data: [DONE]"
+        assert all(e.startswith("data: {") for e in events[:-1])
+        r = await client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "temperature": 0})
+        assert r.status_code == 200 and r.json()["object"] == "text_completion"
+        r = await client.post("/v1/chat/completions", json={**CHAT, "top_p": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "top_p"
+        r = await client.post("/v1/chat/completions", content=b"{not json")
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+        monkeypatch.setattr(tiny_engine.config, "max_queue_len", 0)
+        r = await client.post("/v1/chat/completions", json=CHAT)
+        assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
