@@ -8,8 +8,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
+from collections.abc import Iterator
 
 import uvicorn
 
@@ -109,7 +111,15 @@ def _override_listen(settings: Settings, args: argparse.Namespace) -> Settings:
 
 class _DrainingServer(uvicorn.Server):
     """On SIGTERM/SIGINT, mark the gateway draining (readyz 503, new requests refused)
-    while uvicorn stops accepting and lets in-flight streams finish."""
+    while uvicorn stops accepting and lets in-flight streams finish; then exit 0."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with super().capture_signals():
+            try:
+                yield
+            finally:
+                self._captured_signals.clear()  # drained cleanly: exit 0, not by the signal
 
     def handle_exit(self, sig, frame) -> None:
         gateway = getattr(getattr(self.config.app, "state", None), "gateway", None)

@@ -32,6 +32,23 @@ import orjson
 import uvicorn
 from hypercorn.asyncio import serve
 from hypercorn.config import Config
+from hypercorn.protocol import h2 as hypercorn_h2
+
+# Hypercorn's HTTP/2 send buffer releases the ASGI writer whenever its sender pops with a
+# closed flow-control window (a pop of zero bytes counts as "drained"), so an app's writes
+# never block and the buffer grows without bound. A real inference server must honour the
+# window; patch the fake so that an empty pop releases nobody and flow control reaches the
+# writer, as it does on HTTP/1.1.
+_hypercorn_pop = hypercorn_h2.StreamBuffer.pop
+
+
+async def _pop_honouring_window(self, max_length: int) -> bytes:
+    if max_length <= 0:
+        return b""
+    return await _hypercorn_pop(self, max_length)
+
+
+hypercorn_h2.StreamBuffer.pop = _pop_honouring_window
 
 DEFAULTS = {
     "ttft": 0.0,
@@ -114,17 +131,17 @@ class FakeApp:
 
     async def _answer(self, send, seen: Seen, data: dict, script: dict, path: str) -> None:
         if script["hang"]:
-            await asyncio.sleep(3600)
+            await _sleep(seen, 3600)
         status = script["status"]
         if status != 200:
-            await asyncio.sleep(script["ttft"])
+            await _sleep(seen, script["ttft"])
             error = {"error": {"message": f"scripted {status}", "type": "fake_error", "param": None, "code": None}}
             return await _json(send, status, error)
         kind = "chat" if path.endswith("chat/completions") else "completion"
         model = data.get("model", "?")
         tokens, pad, delay = script["tokens"], script["pad"], script["delay"]
         if not data.get("stream"):
-            await asyncio.sleep(script["ttft"] + delay * max(0, tokens - 1))
+            await _sleep(seen, script["ttft"] + delay * max(0, tokens - 1))
             text = "".join(token_text(i, pad) for i in range(tokens))
             usage = {"prompt_tokens": 5, "completion_tokens": tokens, "total_tokens": 5 + tokens}
             if kind == "chat":
@@ -135,7 +152,7 @@ class FakeApp:
                 answer = {"id": "cmpl-fake", "object": "text_completion", "created": 1700000000, "model": model, "choices": [choice], "usage": usage}
             return await _json(send, 200, answer)
         if not script["headers_first"]:
-            await asyncio.sleep(script["ttft"])
+            await _sleep(seen, script["ttft"])
         await send(
             {
                 "type": "http.response.start",
@@ -144,7 +161,7 @@ class FakeApp:
             }
         )
         if script["headers_first"]:
-            await asyncio.sleep(script["ttft"])
+            await _sleep(seen, script["ttft"])
         fail_after = script["fail_after"]
         for i in range(tokens):
             if seen.disconnected.is_set():
@@ -170,6 +187,16 @@ class FakeApp:
         seen.chunks_sent += 1
         seen.bytes_sent += len(data)
         seen.last_write = time.monotonic()
+
+
+async def _sleep(seen: Seen, seconds: float) -> None:
+    """Sleep, but wake up early when the client has gone (as a server would stop work)."""
+    deadline = time.monotonic() + seconds
+    while not seen.disconnected.is_set():
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return
+        await asyncio.sleep(min(remaining, 0.05))
 
 
 async def _watch(receive, seen: Seen) -> None:
@@ -245,6 +272,9 @@ class FakeUpstream:
         config.loglevel = "ERROR"
         config.accesslog = None
         config.errorlog = None
+        # hypercorn leaves a stream whose app raised open until the connection idles out:
+        # keep that short so a scripted mid-stream failure reaches the gateway quickly
+        config.keep_alive_timeout = 1
         task = asyncio.create_task(serve(self.app, config, shutdown_trigger=self._stop.wait, mode="asgi"))
         for _ in range(500):
             try:
@@ -258,6 +288,7 @@ class FakeUpstream:
     def stop(self) -> None:
         if self._server is not None:
             self._server.should_exit = True
+            self._server.force_exit = True
         elif self._loop is not None and self._stop is not None:
             self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(10)

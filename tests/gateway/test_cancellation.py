@@ -1,0 +1,173 @@
+"""Cancellation and backpressure as properties: a gone client stops the upstream, a slow
+client slows it, memory stays bounded, SIGTERM lets live streams finish."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import threading
+import time
+
+import httpx
+import orjson
+import psutil
+import pytest
+from websockets.sync.client import connect as ws_connect
+
+from tests.conftest import cluster
+
+PROTOCOLS = [pytest.param("http1", id="http1"), pytest.param("http2", id="http2")]
+CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}]}
+
+
+def wait_for(predicate, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def raw_request(url: str, body: dict, rcvbuf: int | None = None) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    if rcvbuf:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.connect((host, int(port)))
+    data = orjson.dumps(body)
+    sock.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
+        b"content-length: " + str(len(data)).encode() + b"\r\n\r\n" + data
+    )
+    return sock
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_client_disconnect_mid_stream_closes_the_upstream_request(upstreams, gateways, protocol):
+    fake = upstreams(protocol, tokens=200, delay=0.02)
+    gw = gateways({"clusters": [cluster(fake)]})
+    sock = raw_request(gw.url, {**CHAT, "stream": True})
+    received = b""
+    while received.count(b"data:") < 3:
+        received += sock.recv(65536)
+    sock.close()
+    seen = fake.requests[-1]
+    assert wait_for(seen.disconnected.is_set, 3), "the upstream never saw the request closed"
+    time.sleep(0.1)  # a write already under way when the disconnect landed may still finish
+    sent = seen.chunks_sent
+    time.sleep(0.3)
+    assert seen.chunks_sent == sent < 200
+    assert not seen.finished
+    assert wait_for(lambda: gw.state.in_flight == 0)
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_client_disconnect_before_first_byte_cancels_the_upstream(upstreams, gateways, protocol):
+    fake = upstreams(protocol, ttft=30, headers_first=False)
+    gw = gateways({"clusters": [cluster(fake)]})
+    sock = raw_request(gw.url, {**CHAT, "stream": True})
+    assert wait_for(lambda: len(fake.requests) == 1)
+    sock.close()
+    assert wait_for(fake.requests[0].disconnected.is_set, 3)
+    assert wait_for(lambda: gw.state.in_flight == 0)
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_slow_client_stalls_the_upstream_and_bounds_gateway_memory(upstreams, gateway_processes, protocol):
+    """The upstream offers 320 MB as fast as it can; the client reads nothing. The upstream
+    must stall after what the socket buffers hold, and the gateway process must not grow."""
+    fake = upstreams(protocol, tokens=20_000, pad=16 * 1024)
+    gw = gateway_processes({"clusters": [cluster(fake)]})
+    process = psutil.Process(gw.proc.pid)
+    httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "fake": {"tokens": 1}})
+    rss_before = process.memory_info().rss
+    sock = raw_request(gw.url, {**CHAT, "stream": True}, rcvbuf=64 * 1024)
+    assert wait_for(lambda: fake.requests and fake.requests[-1].bytes_sent > 0)
+    seen = fake.requests[-1]
+    # wait until the upstream writer makes no progress for a second
+    previous = -1
+    deadline = time.monotonic() + 20
+    while seen.bytes_sent != previous and time.monotonic() < deadline:
+        previous = seen.bytes_sent
+        time.sleep(1.0)
+    total = 20_000 * (16 * 1024 + 100)
+    assert seen.bytes_sent == previous, "the upstream writer never stalled"
+    assert seen.bytes_sent < total / 3
+    growth = process.memory_info().rss - rss_before
+    assert growth < 48 * 1024 * 1024, f"gateway grew by {growth / 1e6:.1f} MB"
+    # reading again resumes the stream
+    got = 0
+    sock.settimeout(5)
+    while got < 4 * 1024 * 1024:
+        got += len(sock.recv(1 << 20))
+    assert wait_for(lambda: seen.bytes_sent > previous)
+    sock.close()
+    assert wait_for(seen.disconnected.is_set, 5)
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_websocket_relay(upstreams, gateways, protocol):
+    fake = upstreams(protocol, tokens=5)
+    gw = gateways({"clusters": [cluster(fake)]})
+    with ws_connect(gw.url.replace("http", "ws") + "/v1/ws") as ws:
+        for _ in range(2):  # several requests on one socket
+            ws.send(orjson.dumps(CHAT).decode())
+            messages = []
+            while True:
+                message = orjson.loads(ws.recv(timeout=5))
+                if message.get("type") == "done":
+                    break
+                messages.append(message)
+            text = "".join(m["choices"][0]["delta"].get("content", "") for m in messages if m["choices"])
+            assert text == "tok0 tok1 tok2 tok3 tok4 "
+        ws.send(orjson.dumps({"model": "fake-model", "prompt": "hi"}).decode())
+        first = orjson.loads(ws.recv(timeout=5))
+        assert first["object"] == "text_completion"
+        while orjson.loads(ws.recv(timeout=5)).get("type") != "done":
+            pass
+        ws.send(orjson.dumps({**CHAT, "model": "nope"}).decode())
+        error = orjson.loads(ws.recv(timeout=5))
+        assert error["type"] == "error" and error["status"] == 404
+        assert error["error"]["code"] == "model_not_found"
+        ws.send("{broken")
+        assert orjson.loads(ws.recv(timeout=5))["status"] == 400
+    assert all(r.body["stream"] is True for r in fake.requests)
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_websocket_close_cancels_the_upstream(upstreams, gateways, protocol):
+    fake = upstreams(protocol, tokens=300, delay=0.02)
+    gw = gateways({"clusters": [cluster(fake)]})
+    ws = ws_connect(gw.url.replace("http", "ws") + "/v1/ws")
+    ws.send(orjson.dumps(CHAT).decode())
+    for _ in range(3):
+        ws.recv(timeout=5)
+    ws.close()
+    seen = fake.requests[-1]
+    assert wait_for(seen.disconnected.is_set, 3)
+    assert seen.chunks_sent < 300
+    assert wait_for(lambda: gw.state.in_flight == 0)
+
+
+def test_sigterm_drains_a_live_stream(upstreams, gateway_processes):
+    fake = upstreams(tokens=40, delay=0.05)
+    gw = gateway_processes({"clusters": [cluster(fake)], "limits": {"drain_timeout_s": 20}})
+    result: dict = {}
+
+    def stream() -> None:
+        with httpx.stream("POST", gw.url + "/v1/chat/completions", json={**CHAT, "stream": True}, timeout=30) as r:
+            result["body"] = b"".join(r.iter_bytes())
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    assert wait_for(lambda: fake.requests and fake.requests[-1].chunks_sent >= 2)
+    gw.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    with pytest.raises(httpx.ConnectError):  # no longer accepting
+        httpx.get(gw.url + "/healthz", timeout=1)
+    thread.join(30)
+    assert result["body"].endswith(b"data: [DONE]\n\n")
+    assert result["body"].count(b'"content":"tok') == 40
+    assert gw.proc.wait(20) == 0
+    assert fake.requests[-1].finished

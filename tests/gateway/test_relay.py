@@ -1,0 +1,199 @@
+"""The relay end to end: real fake upstreams (HTTP/1.1 and HTTP/2), a real gateway, real sockets."""
+
+from __future__ import annotations
+
+import socket
+
+import httpx
+import openai
+import orjson
+import pytest
+
+from tests.conftest import cluster
+
+PROTOCOLS = [pytest.param("http1", id="http1"), pytest.param("http2", id="http2")]
+CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}]}
+COMPLETION = {"model": "fake-model", "prompt": "hello"}
+
+
+def closed_port_url() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(params=PROTOCOLS)
+def setup(request, upstreams, gateways):
+    fake = upstreams(request.param)
+    gw = gateways({"clusters": [cluster(fake)]})
+    return fake, gw
+
+
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        pytest.param("/v1/chat/completions", CHAT, id="chat"),
+        pytest.param("/v1/completions", COMPLETION, id="completion"),
+    ],
+)
+@pytest.mark.parametrize("stream", [pytest.param(False, id="json"), pytest.param(True, id="sse")])
+def test_relay_is_byte_faithful(setup, path, body, stream):
+    fake, gw = setup
+    body = {**body, "stream": stream, "stream_options": {"include_usage": True}} if stream else body
+    direct = httpx.post(fake.url + path, json=body)
+    relayed = httpx.post(gw.url + path, json=body)
+    assert relayed.status_code == 200
+    assert relayed.content == direct.content
+    if stream:
+        assert relayed.content.endswith(b"data: [DONE]\n\n")
+        assert b'"usage"' in relayed.content
+        assert relayed.headers["content-type"].startswith("text/event-stream")
+    # the upstream got the client's bytes unchanged
+    assert fake.requests[-1].body == body
+
+
+def test_request_id_and_server_timing(setup):
+    fake, gw = setup
+    response = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, headers={"x-request-id": "abc-123"})
+    assert response.headers["x-request-id"] == "abc-123"
+    assert fake.requests[-1].headers["x-request-id"] == "abc-123"
+    stages = dict(part.split(";", 1)[0:2] for part in response.headers["server-timing"].split(", "))
+    assert {"admit", "pool", "upstream", "total"} <= set(stages)
+    generated = httpx.post(gw.url + "/v1/chat/completions", json=CHAT).headers["x-request-id"]
+    assert len(generated) == 32 and generated != "abc-123"
+
+
+def test_openai_client(setup):
+    fake, gw = setup
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
+    answer = client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}])
+    assert answer.choices[0].message.content == "".join(f"tok{i} " for i in range(8))
+    assert answer.usage.completion_tokens == 8
+    stream = client.chat.completions.create(
+        model="fake-model",
+        messages=[{"role": "user", "content": "hi"}],
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "".join(f"tok{i} " for i in range(8))
+    assert chunks[-1].usage.total_tokens == 13
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["fake-model"]
+
+
+def test_error_event_after_first_byte(setup):
+    fake, gw = setup
+    body = {**CHAT, "stream": True, "fake": {"tokens": 10, "fail_after": 3}}
+    response = httpx.post(gw.url + "/v1/chat/completions", json=body)
+    assert response.status_code == 200
+    events = [e for e in response.content.split(b"\n\n") if e]
+    payloads = [orjson.loads(e[6:]) for e in events[:-1]]
+    assert [p["choices"][0]["delta"].get("content") for p in payloads[:3]] == ["tok0 ", "tok1 ", "tok2 "]
+    assert payloads[3]["error"]["type"] == "upstream_error"
+    assert set(payloads[3]["error"]) == {"message", "type", "param", "code"}
+    assert events[-1] == b"data: [DONE]"
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.APIError):
+        list(client.chat.completions.create(model="fake-model", messages=CHAT["messages"], stream=True, extra_body={"fake": {"fail_after": 2}}))
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_failover_before_first_byte(upstreams, gateways, protocol):
+    broken = upstreams(protocol, status=500)
+    healthy = upstreams(protocol)
+    gw = gateways({"clusters": [cluster(broken, healthy)]})
+    for _ in range(4):  # whichever endpoint is tried first, the answer comes from the healthy one
+        response = httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "stream": True})
+        assert response.status_code == 200
+        assert response.content.endswith(b"data: [DONE]\n\n")
+    assert len(broken.requests) >= 1
+    assert len(healthy.requests) == 4
+
+
+def test_failover_on_connect_error(upstreams, gateways):
+    healthy = upstreams()
+    config = cluster(healthy)
+    config["endpoints"].insert(0, {"url": closed_port_url(), "warm_connections": 0})
+    gw = gateways({"clusters": [config]})
+    for _ in range(3):
+        assert httpx.post(gw.url + "/v1/chat/completions", json=CHAT).status_code == 200
+    assert len(healthy.requests) == 3
+
+
+def test_no_healthy_endpoint_is_503_with_retry_after(gateways):
+    config = {"name": "dead", "models": ["fake-model"], "endpoints": [{"url": closed_port_url(), "warm_connections": 0}]}
+    gw = gateways({"clusters": [config]})
+    response = httpx.post(gw.url + "/v1/chat/completions", json=CHAT)
+    assert response.status_code == 503
+    assert int(response.headers["retry-after"]) >= 1
+    assert response.json()["error"]["code"] == "no_healthy_upstream"
+
+
+def test_upstream_4xx_is_passed_through(setup):
+    fake, gw = setup
+    response = httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "fake": {"status": 422}})
+    assert response.status_code == 422
+    assert response.json()["error"]["message"] == "scripted 422"
+    assert len(fake.requests) == 1  # a 4xx is the client's problem: no failover
+
+
+def test_last_5xx_is_passed_through(setup):
+    fake, gw = setup
+    response = httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "fake": {"status": 503}})
+    assert response.status_code == 503
+    assert response.json()["error"]["message"] == "scripted 503"
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_read_timeout_is_504(upstreams, gateways, protocol):
+    fake = upstreams(protocol, hang=True)
+    gw = gateways({"clusters": [cluster(fake, read_timeout_s=0.3)]})
+    response = httpx.post(gw.url + "/v1/chat/completions", json=CHAT)
+    assert response.status_code == 504
+    assert response.json()["error"]["code"] == "upstream_timeout"
+
+
+def test_keepalive_comments_on_slow_first_token(upstreams, gateways):
+    fake = upstreams(ttft=0.6, tokens=2)
+    gw = gateways({"clusters": [cluster(fake)], "limits": {"keepalive_interval_s": 0.1}})
+    response = httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "stream": True})
+    first_data = response.content.index(b"data:")
+    pings = response.content[:first_data].count(b": ping\n\n")
+    assert pings >= 3
+    assert response.content[:first_data] == b": ping\n\n" * pings
+    # the comments do not disturb an SSE client
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
+    chunks = list(client.chat.completions.create(model="fake-model", messages=CHAT["messages"], stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "tok0 tok1 "
+
+
+def test_metrics_record_ttft_per_model_and_upstream(setup):
+    fake, gw = setup
+    httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "stream": True})
+    text = httpx.get(gw.url + "/metrics").text
+    labels = f'model="fake-model",upstream="{fake.url}"'
+    assert f"edgegw_ttft_seconds_count{{{labels}}} 1.0" in text
+    assert f"edgegw_inter_token_seconds_count{{{labels}}}" in text
+    assert f"edgegw_e2e_seconds_count{{{labels}}} 1.0" in text
+
+
+def test_warm_connections_are_open_before_the_first_request(upstreams, gateways):
+    fake = upstreams()
+    gw = gateways({"clusters": [cluster(fake, warm_connections=3)]})
+    pool = gw.state.dispatcher.clusters[0].upstreams[0].pool
+    assert pool.num_connections == 3
+    response = httpx.post(gw.url + "/v1/chat/completions", json=CHAT)
+    stages = {p.split(";")[0]: float(p.split("dur=")[1].split(";")[0]) for p in response.headers["server-timing"].split(", ")}
+    assert stages["pool"] < 1.0  # milliseconds: no handshake on the first request
+    assert pool.num_connections == 3
+
+
+def test_models_discovered_when_not_configured(upstreams, gateways):
+    fake = upstreams()
+    fake.app.models[:] = ["alpha", "beta"]
+    gw = gateways({"clusters": [{"name": "found", "endpoints": [{"url": fake.url}]}]})
+    assert [m["id"] for m in httpx.get(gw.url + "/v1/models").json()["data"]] == ["alpha", "beta"]
+    assert httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "model": "beta"}).status_code == 200
