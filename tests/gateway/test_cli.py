@@ -1,0 +1,67 @@
+"""The command line as a user meets it: check-config, the quick start, python -m gateway."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import httpx
+
+from tests.conftest import ROOT, GatewayProcess
+from tests.fakes import free_port
+
+
+def edgegw(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gateway", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+
+def test_check_config_accepts_the_shipped_configs():
+    for name in ("default.yaml", "multi-region.example.yaml"):
+        result = edgegw("check-config", str(ROOT / "configs" / name))
+        assert result.returncode == 0, result.stderr
+        assert "ok" in result.stdout
+
+
+def test_check_config_names_the_bad_key_and_line(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(
+        "listen:\n  port: 8080\nclusters:\n  - name: a\n    endpoints:\n"
+        "      - url: http://127.0.0.1:9\n        protocol: http3\n        pool_sise: 4\n"
+    )
+    result = edgegw("check-config", str(path))
+    assert result.returncode == 1
+    assert f"{path}:7: clusters.0.endpoints.0.protocol:" in result.stderr
+    assert f"{path}:8: clusters.0.endpoints.0.pool_sise: unknown key" in result.stderr
+
+
+def test_check_config_rejects_non_yaml_and_missing_files(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("listen: [unclosed\n")
+    assert edgegw("check-config", str(path)).returncode == 1
+    result = edgegw("check-config", str(tmp_path / "missing.yaml"))
+    assert result.returncode == 1 and "cannot read" in result.stderr
+
+
+def test_quick_start_fronts_an_upstream_and_lists_its_models(upstreams, tmp_path):
+    fake = upstreams()
+    fake.app.models[:] = ["m-one", "m-two"]
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway", "serve", "--upstream", fake.url, "--host", "127.0.0.1", "--port", str(port)],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    gw = GatewayProcess.__new__(GatewayProcess)
+    gw.url, gw.proc, gw.log = f"http://127.0.0.1:{port}", proc, tmp_path / "none.log"
+    gw.log.write_text("")
+    try:
+        gw.start()
+        assert [m["id"] for m in httpx.get(gw.url + "/v1/models").json()["data"]] == ["m-one", "m-two"]
+        response = httpx.post(
+            gw.url + "/v1/chat/completions", json={"model": "m-two", "messages": [{"role": "user", "content": "hi"}]}
+        )
+        assert response.status_code == 200
+        assert httpx.get(gw.url + "/readyz").status_code == 200
+    finally:
+        gw.stop()
