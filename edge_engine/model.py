@@ -96,7 +96,11 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
+        w = self.weight
+        if x.shape[0] == 1 and w.dtype == torch.bfloat16 and w.device.type == "cpu":
+            # one row: the bf16 matrix-vector kernel is ~2x faster than bf16 GEMM on the CPU
+            return torch.mv(w, x[0].to(w.dtype)).unsqueeze(0).to(x.dtype)
+        return F.linear(x.to(w.dtype), w).to(x.dtype)
 
 
 class Attention(nn.Module):
