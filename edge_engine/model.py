@@ -82,6 +82,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op (equal to the reference within float rounding)
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -123,16 +125,16 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         T = x.shape[0]
         H, KH, D = self.num_heads, self.num_kv_heads, self.head_dim
-        q, k, v = self.wqkv(x).split([H * D, KH * D, KH * D], dim=-1)
-        q = apply_rope(q.view(T, H, D), cos, sin)
-        k = apply_rope(k.view(T, KH, D), cos, sin)
+        qk, v = self.wqkv(x).split([(H + KH) * D, KH * D], dim=-1)
+        qk = apply_rope(qk.view(T, H + KH, D), cos, sin)  # Q and K heads rotated in one go
+        q, k = qk.split([H, KH], dim=1)
         v = v.view(T, KH, D)
         flat_k = k_cache.view(-1, KH, D)
         flat_v = v_cache.view(-1, KH, D)
         flat_k.index_copy_(0, meta.slot_mapping, k.to(flat_k.dtype))
         flat_v.index_copy_(0, meta.slot_mapping, v.to(flat_v.dtype))
 
-        out = torch.empty_like(q)  # [T, H, D]
+        out = q.new_empty(T, H, D)
         Bd = meta.num_decode
         if Bd:
             assert meta.decode_block_tables is not None and meta.decode_mask is not None
