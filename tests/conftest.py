@@ -125,6 +125,7 @@ def gateways():
     started: list[GatewayThread] = []
 
     def start(config: dict) -> GatewayThread:
+        config = {"cache": {"backend": "off"}, **config}  # relay tests see every request upstream
         gw = GatewayThread(Settings.model_validate(config)).start()
         started.append(gw)
         return gw
@@ -139,6 +140,7 @@ def gateway_processes(tmp_path):
     started: list[GatewayProcess] = []
 
     def start(config: dict) -> GatewayProcess:
+        config = {"cache": {"backend": "off"}, **config}
         gw = GatewayProcess(config, tmp_path).start()
         started.append(gw)
         return gw

@@ -12,6 +12,7 @@ through the gateway):
     status       answer with this HTTP status and an OpenAI error instead
     fail_after   drop the connection after this many content chunks
     hang         never answer
+    health_delay seconds before GET /health answers (how fast a probe finds it)
 
 Runs on HTTP/1.1 (uvicorn) or HTTP/2 cleartext with prior knowledge (hypercorn), each on
 its own event loop in a thread, on 127.0.0.1 and an ephemeral port. Every request is
@@ -59,6 +60,7 @@ DEFAULTS = {
     "fail_after": None,
     "hang": False,
     "headers_first": True,
+    "health_delay": 0.0,
 }
 
 
@@ -111,6 +113,7 @@ class FakeApp:
                 data = [{"id": m, "object": "model", "created": 0, "owned_by": "fake"} for m in self.models]
                 return await _json(send, 200, {"object": "list", "data": data})
             if path == "/health":
+                await asyncio.sleep(self.defaults["health_delay"])
                 return await _json(send, 200, {"status": "ok"})
             return await _json(send, 404, {"error": {"message": "not found"}})
         body = b""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import time
 
 import httpx
 import openai
@@ -102,15 +103,20 @@ def test_error_event_after_first_byte(setup):
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_failover_before_first_byte(upstreams, gateways, protocol):
+    # the broken endpoint answers its health probe faster, so the balancer tries it first
     broken = upstreams(protocol, status=500)
-    healthy = upstreams(protocol)
-    gw = gateways({"clusters": [cluster(broken, healthy)]})
-    for _ in range(4):  # whichever endpoint is tried first, the answer comes from the healthy one
-        response = httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "stream": True})
-        assert response.status_code == 200
-        assert response.content.endswith(b"data: [DONE]\n\n")
-    assert len(broken.requests) >= 1
-    assert len(healthy.requests) == 4
+    healthy = upstreams(protocol, health_delay=0.2)
+    gw = gateways({"clusters": [cluster(broken, healthy)], "routing": {"balancer": {"affinity": False}}})
+    time.sleep(0.3)
+    response = httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "stream": True})
+    assert response.status_code == 200
+    assert response.content.endswith(b"data: [DONE]\n\n")
+    assert len(broken.requests) == 1 and len(healthy.requests) == 1
+    route = response.headers["x-edgegw-route"]
+    assert f"endpoint={broken.url}" in route and f"served-by=central@{healthy.url}" in route
+    for _ in range(3):  # passive ejection: the failed endpoint is avoided from now on
+        assert httpx.post(gw.url + "/v1/chat/completions", json=CHAT).status_code == 200
+    assert len(broken.requests) == 1 and len(healthy.requests) == 4
 
 
 def test_failover_on_connect_error(upstreams, gateways):

@@ -1,0 +1,229 @@
+"""What a backend hands the relay: a ``Reply``.
+
+A reply has a status and headers at once, then either a whole body (``read_body``) or a
+stream of SSE events (``next_events``: complete events as bytes, ``None`` after a quiet
+``ping_interval`` so the relay can send a keep-alive comment, ``b""`` at the end).
+
+- ``UpstreamReply``: a response from an inference server, read through its bounded body.
+- ``EngineReply``: the in-process edge engine through ``edge_engine.OpenAIServing``.
+- ``ReplayReply``: a stored answer from the exact-response cache.
+- ``FollowerReply``: the answer another request is fetching right now (single-flight).
+
+Errors from the engine and the cache are translated into ``gateway.errors`` here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from cache import Flight, FlightAborted, as_json
+from edge_engine import EngineError, EngineOverloadedError, InvalidRequestError, OpenAIServing
+from edge_engine.serving import PreparedRequest
+from gateway.errors import GatewayError, InvalidRequest, NoHealthyUpstream, Overloaded, UpstreamError
+from gateway.relay import DONE, EventReader
+from gateway.upstream import Upstream, UpstreamResponse
+
+__all__ = ["Reply", "UpstreamReply", "EngineReply", "ReplayReply", "FollowerReply", "engine_error", "SSE", "JSON"]
+
+SSE = (b"content-type", b"text/event-stream; charset=utf-8")
+JSON = (b"content-type", b"application/json")
+
+
+class Reply:
+    status = 200
+    headers: list[tuple[bytes, bytes]] = []
+    label = "-"  # metrics label: upstream URL, "edge", "cache"
+    upstream: Upstream | None = None
+    pool_wait = 0.0
+    first: bytes | None = None  # events read ahead (hedging waits for the first byte)
+
+    async def read_body(self) -> bytes:
+        raise NotImplementedError
+
+    async def next_events(self) -> bytes | None:
+        raise NotImplementedError
+
+    @property
+    def in_event(self) -> bool:
+        return False
+
+    async def aclose(self) -> None:
+        pass
+
+
+class UpstreamReply(Reply):
+    __slots__ = ("response", "upstream", "status", "headers", "label", "pool_wait", "first", "_reader", "_limit")
+
+    def __init__(self, response: UpstreamResponse, upstream: Upstream, ping: float, max_event: int, limit: int) -> None:
+        self.response = response
+        self.upstream = upstream
+        self.status = response.status
+        self.headers = response.headers
+        self.label = upstream.url
+        self.pool_wait = response.pool_wait
+        self.first = None
+        self._reader = EventReader(response.body, ping, upstream.timeouts.read, max_event)
+        self._limit = limit
+
+    async def read_body(self) -> bytes:
+        return await self.response.body.read_all(self.upstream.timeouts.read, self._limit)
+
+    def next_events(self):
+        return self._reader.next()
+
+    @property
+    def in_event(self) -> bool:
+        return self._reader.in_event
+
+    async def aclose(self) -> None:
+        self.response.close()
+
+
+def engine_error(exc: EngineError) -> GatewayError:
+    if isinstance(exc, InvalidRequestError):
+        return InvalidRequest(exc.message, param=exc.param, code=exc.code)
+    if isinstance(exc, EngineOverloadedError):
+        return Overloaded(exc.message, code=exc.code, retry_after=exc.retry_after)
+    if exc.status_code == 503:
+        return NoHealthyUpstream(exc.message, code=exc.code, retry_after=1.0)
+    return UpstreamError(exc.message, code=exc.code or "engine_error")
+
+
+class _Paced:
+    """Pulls an async iterator one item at a time; ``QUIET`` when ``ping`` seconds pass
+    without one (the pending pull is kept, not lost)."""
+
+    QUIET = object()
+
+    def __init__(self, items: AsyncIterator[bytes], ping: float) -> None:
+        self._items = items
+        self._ping = ping
+        self._pending: asyncio.Future | None = None
+
+    async def next(self):
+        if self._pending is None:
+            self._pending = asyncio.ensure_future(self._items.__anext__())
+        done, _ = await asyncio.wait((self._pending,), timeout=self._ping)
+        if not done:
+            return self.QUIET
+        pending, self._pending = self._pending, None
+        return pending.result()  # raises StopAsyncIteration at the end
+
+    async def aclose(self) -> None:
+        if self._pending is not None:
+            self._pending.cancel()
+            try:
+                await self._pending
+            except BaseException:
+                pass
+        aclose = getattr(self._items, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+class EngineReply(Reply):
+    """The edge engine's answer. Streams pull one chunk at a time from the engine's
+    iterator; cancelling (``aclose``) removes the sequence and frees its KV blocks."""
+
+    label = "edge"
+
+    def __init__(self, serving: OpenAIServing, prepared: PreparedRequest, request_id: str, ping: float) -> None:
+        self._serving = serving
+        self._prepared = prepared
+        self._request_id = request_id
+        self._ping = ping
+        self.headers = [SSE if prepared.stream else JSON]
+        self._chunks: _Paced | None = None
+        self._done = False
+
+    async def read_body(self) -> bytes:
+        try:
+            return await self._serving.complete(self._prepared, self._request_id)
+        except EngineError as exc:
+            raise engine_error(exc) from None
+
+    async def next_events(self) -> bytes | None:
+        if self._done:
+            return b""
+        if self._chunks is None:
+            self._chunks = _Paced(self._serving.stream(self._prepared, self._request_id), self._ping)
+        try:
+            chunk = await self._chunks.next()
+        except StopAsyncIteration:
+            self._done = True
+            return DONE
+        except EngineError as exc:
+            self._done = True
+            raise engine_error(exc) from None
+        if chunk is _Paced.QUIET:
+            return None
+        return b"data: " + chunk + b"\n\n"
+
+    async def aclose(self) -> None:
+        if self._chunks is not None:
+            await self._chunks.aclose()
+
+
+class ReplayReply(Reply):
+    """An answer already in hand: a cache hit in the shape asked for (the stored payloads
+    as SSE events, or JSON), or a body read ahead (a followed or cascaded answer)."""
+
+    def __init__(self, body: bytes | None, chunks: list[bytes] | None, label: str = "cache") -> None:
+        self.headers = [JSON if chunks is None else SSE]
+        self.label = label
+        self._body = body
+        self._chunks = chunks
+
+    async def read_body(self) -> bytes:
+        return self._body or b""
+
+    async def next_events(self) -> bytes:
+        chunks, self._chunks = self._chunks, []
+        if not chunks:
+            return b""
+        return b"".join([b"data: " + c + b"\n\n" for c in chunks]) + DONE
+
+
+class FollowerReply(Reply):
+    """Following an identical request in flight: its chunks as they arrive, or its
+    finished entry. Raises ``FlightAborted`` before the first byte when the leader fails,
+    so the caller can go upstream itself."""
+
+    label = "coalesced"
+
+    def __init__(self, flight: Flight, stream: bool, include_usage: bool, ping: float) -> None:
+        self._flight = flight
+        self._include_usage = include_usage
+        self._ping = ping
+        self.headers = [SSE if stream else JSON]
+        self._chunks: _Paced | None = None
+        self._done = False
+        self.started = False
+
+    async def read_body(self) -> bytes:
+        return as_json(await self._flight.wait())
+
+    async def next_events(self) -> bytes | None:
+        if self._done:
+            return b""
+        if self._chunks is None:
+            self._chunks = _Paced(self._flight.follow(include_usage=self._include_usage), self._ping)
+        try:
+            chunk = await self._chunks.next()
+        except StopAsyncIteration:
+            self._done = True
+            return DONE
+        except FlightAborted:
+            self._done = True
+            if not self.started:
+                raise
+            raise UpstreamError("the upstream answer this request was following broke off") from None
+        if chunk is _Paced.QUIET:
+            return None
+        self.started = True
+        return b"data: " + chunk + b"\n\n"
+
+    async def aclose(self) -> None:
+        if self._chunks is not None:
+            await self._chunks.aclose()

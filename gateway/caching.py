@@ -1,0 +1,154 @@
+"""The exact-response cache on the gateway's path: plan, look up, coalesce, record, store.
+
+``cache/`` owns keys, policy, backends, replay and single-flight; this module applies them
+to one request: which tenant it belongs to, what its ``Cache-Control`` allows, how a hit is
+replayed in the shape asked for, and how the answer of the request that goes upstream (the
+single-flight leader) is recorded, published to its followers and stored once complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Mapping
+
+from prometheus_client import CollectorRegistry
+
+import cache
+from cache import CacheConfig, CacheMetrics, Entry, Flight, Plan, as_chunks, as_json
+from cache.policy import is_complete_body, is_complete_stream
+from cache.replay import is_usage_chunk
+from gateway.backends import FollowerReply, ReplayReply
+from gateway.protocol import ParsedRequest
+from gateway.relay import sse_payloads
+
+__all__ = ["CacheLayer", "Lookup", "Recorder", "tenant_of"]
+
+logger = logging.getLogger("edgegw.cache")
+
+HIT, MISS, BYPASS = b"HIT", b"MISS", b"BYPASS"
+
+
+def tenant_of(headers: Mapping[str, str], namespace: str) -> str:
+    """The tenant an entry belongs to: a digest of the API key (never the key itself), or
+    the configured namespace for anonymous requests."""
+    auth = headers.get("authorization") or headers.get("x-api-key")
+    if not auth:
+        return namespace
+    return "k:" + hashlib.blake2b(auth.encode(), digest_size=12).hexdigest()
+
+
+class Lookup:
+    __slots__ = ("plan", "key")
+
+    def __init__(self, plan: Plan, key: str | None) -> None:
+        self.plan = plan
+        self.key = key
+
+
+class CacheLayer:
+    def __init__(self, config: CacheConfig, registry: CollectorRegistry) -> None:
+        self.config = config
+        self.metrics = CacheMetrics(registry=registry)
+        self.backend = cache.build(config, self.metrics)
+        self.flights = cache.build_singleflight(config, self.metrics)
+
+    @property
+    def enabled(self) -> bool:
+        return self.backend is not None
+
+    async def start(self) -> None:
+        ping = getattr(self.backend, "ping", None) or getattr(getattr(self.backend, "back", None), "ping", None)
+        if ping is not None:
+            await ping()  # connect now, so the first request does not pay for it
+
+    async def aclose(self) -> None:
+        if self.flights is not None:
+            await self.flights.close()
+        if self.backend is not None:
+            await self.backend.close()
+
+    def plan(self, parsed: ParsedRequest, headers: Mapping[str, str]) -> Lookup:
+        directives = cache.parse_cache_control(headers.get("cache-control"))
+        plan = cache.plan(parsed.data, directives, self.config.ttl_for(parsed.kind), self.config.default_greedy)
+        if not plan.lookup and not plan.store:
+            self.metrics.bypass(plan.reason)
+            return Lookup(plan, None)
+        return Lookup(plan, cache.make_key(tenant_of(headers, self.config.namespace), parsed.kind, parsed.data))
+
+    async def get(self, lookup: Lookup) -> Entry | None:
+        return await self.backend.get(lookup.key, max_age=lookup.plan.max_age)
+
+    def replay(self, entry: Entry, parsed: ParsedRequest) -> ReplayReply:
+        if parsed.stream:
+            return ReplayReply(None, as_chunks(entry, parsed.include_usage))
+        return ReplayReply(as_json(entry), None)
+
+    async def join(self, key: str) -> Flight | None:
+        if self.flights is None:
+            return None
+        return await self.flights.join(key)
+
+    def follower(self, flight: Flight, parsed: ParsedRequest, ping: float) -> FollowerReply:
+        return FollowerReply(flight, parsed.stream, parsed.include_usage, ping)
+
+    async def store(self, lookup: Lookup, entry: Entry) -> None:
+        await self.backend.set(lookup.key, entry, lookup.plan.ttl)
+
+
+class Recorder:
+    """Records the leader's answer as it is relayed, publishes it to followers, and
+    stores it when it completed. The leader's stream asks the upstream for usage (so the
+    entry can answer clients that want it); ``hide_usage`` keeps it from a client that
+    did not ask."""
+
+    __slots__ = ("layer", "lookup", "flight", "kind", "hide_usage", "chunks", "saw_done", "body")
+
+    def __init__(self, layer: CacheLayer, lookup: Lookup, flight: Flight | None, kind: str, hide_usage: bool) -> None:
+        self.layer = layer
+        self.lookup = lookup
+        self.flight = flight
+        self.kind = kind
+        self.hide_usage = hide_usage
+        self.chunks: list[bytes] = []  # the flight holds them for followers anyway
+        self.saw_done = False
+        self.body: bytes | None = None
+
+    async def feed(self, events: bytes) -> bytes:
+        """Record a run of SSE events; returns what the leader's own client gets."""
+        payloads = sse_payloads(events)
+        hidden = False
+        for payload in payloads:
+            if payload == b"[DONE]":
+                self.saw_done = True
+                continue
+            self.chunks.append(payload)
+            if self.flight is not None:
+                await self.flight.publish(payload)
+            if self.hide_usage and is_usage_chunk(payload):
+                hidden = True
+        if hidden:
+            return b"".join(
+                [b"data: " + p + b"\n\n" for p in payloads if not (p != b"[DONE]" and is_usage_chunk(p))]
+            )
+        return events
+
+    async def finish(self, ok: bool) -> bool:
+        """Hand the entry to the followers and store it (the backend refuses one over
+        ``max_entry_bytes``) if the answer is complete; else abort the flight."""
+        entry = None
+        if ok:
+            if self.body is not None:
+                if is_complete_body(self.body):
+                    entry = Entry(self.kind, body=self.body, created_at=time.time())
+            elif self.chunks and is_complete_stream(self.chunks, self.saw_done):
+                entry = Entry(self.kind, chunks=self.chunks, created_at=time.time())
+        if entry is None:
+            if self.flight is not None:
+                await self.flight.abort("the answer was not complete")
+            return False
+        if self.flight is not None:
+            await self.flight.finish(entry)
+        await self.layer.store(self.lookup, entry)
+        return True
