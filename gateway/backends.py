@@ -5,11 +5,12 @@ stream of SSE events (``next_events``: complete events as bytes, ``None`` after 
 ``ping_interval`` so the relay can send a keep-alive comment, ``b""`` at the end).
 
 - ``UpstreamReply``: a response from an inference server, read through its bounded body.
-- ``EngineReply``: the in-process edge engine through ``edge_engine.OpenAIServing``.
+- ``EngineReply`` (``gateway.edge``): the in-process edge engine.
 - ``ReplayReply``: a stored answer from the exact-response cache.
 - ``FollowerReply``: the answer another request is fetching right now (single-flight).
 
-Errors from the engine and the cache are translated into ``gateway.errors`` here.
+Errors from the cache are translated into ``gateway.errors`` here (the engine's in
+``gateway.edge``).
 """
 
 from __future__ import annotations
@@ -18,13 +19,11 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from cache import Flight, FlightAborted, as_json
-from edge_engine import EngineError, EngineOverloadedError, InvalidRequestError, OpenAIServing
-from edge_engine.serving import PreparedRequest
-from gateway.errors import GatewayError, InvalidRequest, NoHealthyUpstream, Overloaded, UpstreamError
+from gateway.errors import UpstreamError
 from gateway.relay import DONE, EventReader
 from gateway.upstream import Upstream, UpstreamResponse
 
-__all__ = ["Reply", "UpstreamReply", "EngineReply", "ReplayReply", "FollowerReply", "engine_error", "SSE", "JSON"]
+__all__ = ["Reply", "UpstreamReply", "ReplayReply", "FollowerReply", "Paced", "SSE", "JSON"]
 
 SSE = (b"content-type", b"text/event-stream; charset=utf-8")
 JSON = (b"content-type", b"application/json")
@@ -80,17 +79,7 @@ class UpstreamReply(Reply):
         self.response.close()
 
 
-def engine_error(exc: EngineError) -> GatewayError:
-    if isinstance(exc, InvalidRequestError):
-        return InvalidRequest(exc.message, param=exc.param, code=exc.code)
-    if isinstance(exc, EngineOverloadedError):
-        return Overloaded(exc.message, code=exc.code, retry_after=exc.retry_after)
-    if exc.status_code == 503:
-        return NoHealthyUpstream(exc.message, code=exc.code, retry_after=1.0)
-    return UpstreamError(exc.message, code=exc.code or "engine_error")
-
-
-class _Paced:
+class Paced:
     """Pulls an async iterator one item at a time; ``QUIET`` when ``ping`` seconds pass
     without one (the pending pull is kept, not lost)."""
 
@@ -120,49 +109,6 @@ class _Paced:
         aclose = getattr(self._items, "aclose", None)
         if aclose is not None:
             await aclose()
-
-
-class EngineReply(Reply):
-    """The edge engine's answer. Streams pull one chunk at a time from the engine's
-    iterator; cancelling (``aclose``) removes the sequence and frees its KV blocks."""
-
-    label = "edge"
-
-    def __init__(self, serving: OpenAIServing, prepared: PreparedRequest, request_id: str, ping: float) -> None:
-        self._serving = serving
-        self._prepared = prepared
-        self._request_id = request_id
-        self._ping = ping
-        self.headers = [SSE if prepared.stream else JSON]
-        self._chunks: _Paced | None = None
-        self._done = False
-
-    async def read_body(self) -> bytes:
-        try:
-            return await self._serving.complete(self._prepared, self._request_id)
-        except EngineError as exc:
-            raise engine_error(exc) from None
-
-    async def next_events(self) -> bytes | None:
-        if self._done:
-            return b""
-        if self._chunks is None:
-            self._chunks = _Paced(self._serving.stream(self._prepared, self._request_id), self._ping)
-        try:
-            chunk = await self._chunks.next()
-        except StopAsyncIteration:
-            self._done = True
-            return DONE
-        except EngineError as exc:
-            self._done = True
-            raise engine_error(exc) from None
-        if chunk is _Paced.QUIET:
-            return None
-        return b"data: " + chunk + b"\n\n"
-
-    async def aclose(self) -> None:
-        if self._chunks is not None:
-            await self._chunks.aclose()
 
 
 class ReplayReply(Reply):
@@ -197,7 +143,7 @@ class FollowerReply(Reply):
         self._include_usage = include_usage
         self._ping = ping
         self.headers = [SSE if stream else JSON]
-        self._chunks: _Paced | None = None
+        self._chunks: Paced | None = None
         self._done = False
         self.started = False
 
@@ -208,7 +154,7 @@ class FollowerReply(Reply):
         if self._done:
             return b""
         if self._chunks is None:
-            self._chunks = _Paced(self._flight.follow(include_usage=self._include_usage), self._ping)
+            self._chunks = Paced(self._flight.follow(include_usage=self._include_usage), self._ping)
         try:
             chunk = await self._chunks.next()
         except StopAsyncIteration:
@@ -219,7 +165,7 @@ class FollowerReply(Reply):
             if not self.started:
                 raise
             raise UpstreamError("the upstream answer this request was following broke off") from None
-        if chunk is _Paced.QUIET:
+        if chunk is Paced.QUIET:
             return None
         self.started = True
         return b"data: " + chunk + b"\n\n"

@@ -13,6 +13,7 @@ whichever answers first is kept, the other cancelled.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import random
 import time
@@ -20,8 +21,7 @@ from collections.abc import Mapping
 
 import orjson
 
-from edge_engine import Engine, EngineError, OpenAIServing
-from gateway.backends import EngineReply, Reply, UpstreamReply, engine_error
+from gateway.backends import Reply, UpstreamReply
 from gateway.errors import (
     GatewayError,
     ModelNotFound,
@@ -91,8 +91,7 @@ class Dispatcher:
         self.routing = settings.routing
         self.clusters: list[Cluster] = []
         self.upstreams: dict[str, Upstream] = {}
-        self.engine: Engine | None = None
-        self.edge: OpenAIServing | None = None
+        self.edge = None  # gateway.edge.EdgeBackend when edge.enabled
         self.geo: GeoLocator | None = None
         self.table: RoutingTable | None = None
         self.health: HealthState | None = None
@@ -113,9 +112,9 @@ class Dispatcher:
                 upstreams.append(upstream)
             self.clusters.append(Cluster(cluster_settings, upstreams))
         if settings.edge.enabled:
-            self.engine = await asyncio.to_thread(Engine, settings.edge.engine_config())
-            await self.engine.start()
-            self.edge = OpenAIServing(self.engine, self.engine.model_name)
+            # imported here, not at the top: the engine needs torch, a relay-only gateway does not
+            edge = importlib.import_module("gateway.edge")
+            self.edge = await edge.EdgeBackend.start(settings.edge)
         self.geo = await asyncio.to_thread(GeoLocator.open, self.routing.geoip_db)
         await asyncio.gather(*(u.pool.warm() for u in self.upstreams.values()))
         discovering = [c for c in self.clusters if c.discovers]
@@ -131,13 +130,13 @@ class Dispatcher:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*(u.aclose() for u in self.upstreams.values()), return_exceptions=True)
-        if self.engine is not None:
-            await self.engine.close()
+        if self.edge is not None:
+            await self.edge.aclose()
         if self.geo is not None:
             self.geo.close()
 
     def _build_table(self) -> None:
-        edge_model = self.engine.model_name if self.engine is not None else None
+        edge_model = self.edge.model_name if self.edge is not None else None
         self.table = RoutingTable.build(self.routing, [c.spec() for c in self.clusters], edge_model)
 
     async def _rediscover(self, cluster: Cluster) -> None:
@@ -173,32 +172,19 @@ class Dispatcher:
     def models(self) -> list[tuple[str, str]]:
         """(model, owner) pairs: the edge model, then each cluster's, in configuration order."""
         pairs = []
-        if self.engine is not None:
-            pairs.append((self.engine.model_name, "edge"))
+        if self.edge is not None:
+            pairs.append((self.edge.model_name, "edge"))
         pairs += [(m, c.name) for c in self.clusters for m in c.models]
         return pairs
 
     def is_ready(self) -> bool:
-        if self.engine is not None and self.engine.is_running:
+        if self.edge is not None and self.edge.is_running:
             return True
         now = time.monotonic()
         return any(c.models and any(self.health.is_available(u.url, now) for u in c.upstreams) for c in self.clusters)
 
     def edge_stats(self) -> EdgeStats | None:
-        engine = self.engine
-        if engine is None:
-            return None
-        stats = engine.stats()
-        return EdgeStats(
-            queue_depth=stats.num_waiting,
-            running=stats.num_running,
-            kv_blocks_free=stats.num_kv_blocks_free,
-            kv_blocks_total=stats.num_kv_blocks_total,
-            block_size=stats.block_size,
-            recent_ttft_ms=stats.ttft_ms_p50,
-            recent_tpot_ms=stats.tpot_ms_p50,
-            healthy=engine.is_running,
-        )
+        return self.edge.stats() if self.edge is not None else None
 
     # -- per request -----------------------------------------------------------------
 
@@ -283,11 +269,7 @@ class Dispatcher:
         if target.kind is TargetKind.EDGE:
             if self.edge is None:
                 raise NoHealthyUpstream("no edge engine in this gateway", retry_after=limits.retry_after_s)
-            try:
-                prepared = self.edge.prepare(parsed.kind, parsed.data)
-            except EngineError as exc:
-                raise engine_error(exc) from None
-            return EngineReply(self.edge, prepared, request_id, limits.keepalive_interval_s)
+            return self.edge.reply(parsed.kind, parsed.data, request_id, limits.keepalive_interval_s)
         upstream = self.upstreams[target.endpoint]
         health = self.health
         now = time.monotonic()

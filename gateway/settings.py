@@ -17,7 +17,6 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from cache import CacheConfig
-from edge_engine import EngineConfig
 from routing import RoutingConfig
 
 __all__ = [
@@ -110,26 +109,6 @@ class EdgeSettings(_Model):
     max_queue_len: int = Field(256, ge=1)  # waiting requests before 503 + Retry-After
     enable_prefix_caching: bool = True  # share KV blocks of repeated prefixes
     num_threads: int | None = Field(None, ge=1)  # torch CPU threads; null: torch's default
-
-    def engine_config(self) -> EngineConfig:
-        name = self.name
-        if name is None and self.model is None:
-            name = DEFAULT_EDGE_MODEL
-        return EngineConfig(
-            model=self.model,
-            model_name=name,
-            dtype=self.dtype,
-            device=self.device,
-            num_kv_blocks=self.num_kv_blocks,
-            kv_cache_memory_fraction=self.kv_cache_memory_fraction,
-            max_kv_cache_tokens=self.max_kv_cache_tokens,
-            max_model_len=self.max_model_len,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_queue_len=self.max_queue_len,
-            enable_prefix_caching=self.enable_prefix_caching,
-            num_threads=self.num_threads,
-        )
 
     @field_validator("model")
     @classmethod

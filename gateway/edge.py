@@ -1,0 +1,136 @@
+"""The in-process edge engine as a gateway backend.
+
+Imported only when ``edge.enabled`` is set: the engine needs torch (the ``engine`` extra),
+and a gateway that only relays should neither need it installed nor pay for importing it.
+Engine errors are translated into ``gateway.errors`` here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from edge_engine import Engine, EngineConfig, EngineError, EngineOverloadedError, InvalidRequestError, OpenAIServing
+from edge_engine.serving import PreparedRequest
+from gateway.backends import JSON, SSE, Paced, Reply
+from gateway.errors import GatewayError, InvalidRequest, NoHealthyUpstream, Overloaded, UpstreamError
+from gateway.relay import DONE
+from gateway.settings import DEFAULT_EDGE_MODEL, EdgeSettings
+from routing import EdgeStats
+
+__all__ = ["EdgeBackend", "EngineReply", "engine_error"]
+
+
+def engine_error(exc: EngineError) -> GatewayError:
+    if isinstance(exc, InvalidRequestError):
+        return InvalidRequest(exc.message, param=exc.param, code=exc.code)
+    if isinstance(exc, EngineOverloadedError):
+        return Overloaded(exc.message, code=exc.code, retry_after=exc.retry_after)
+    if exc.status_code == 503:
+        return NoHealthyUpstream(exc.message, code=exc.code, retry_after=1.0)
+    return UpstreamError(exc.message, code=exc.code or "engine_error")
+
+
+class EngineReply(Reply):
+    """The edge engine's answer. Streams pull one chunk at a time from the engine's
+    iterator; cancelling (``aclose``) removes the sequence and frees its KV blocks."""
+
+    label = "edge"
+
+    def __init__(self, serving: OpenAIServing, prepared: PreparedRequest, request_id: str, ping: float) -> None:
+        self._serving = serving
+        self._prepared = prepared
+        self._request_id = request_id
+        self._ping = ping
+        self.headers = [SSE if prepared.stream else JSON]
+        self._chunks: Paced | None = None
+        self._done = False
+
+    async def read_body(self) -> bytes:
+        try:
+            return await self._serving.complete(self._prepared, self._request_id)
+        except EngineError as exc:
+            raise engine_error(exc) from None
+
+    async def next_events(self) -> bytes | None:
+        if self._done:
+            return b""
+        if self._chunks is None:
+            self._chunks = Paced(self._serving.stream(self._prepared, self._request_id), self._ping)
+        try:
+            chunk = await self._chunks.next()
+        except StopAsyncIteration:
+            self._done = True
+            return DONE
+        except EngineError as exc:
+            self._done = True
+            raise engine_error(exc) from None
+        if chunk is Paced.QUIET:
+            return None
+        return b"data: " + chunk + b"\n\n"
+
+    async def aclose(self) -> None:
+        if self._chunks is not None:
+            await self._chunks.aclose()
+
+
+class EdgeBackend:
+    """The engine, its OpenAI seam, and what routing needs to know about it."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.serving = OpenAIServing(engine, engine.model_name)
+        self.model_name = engine.model_name
+
+    @classmethod
+    async def start(cls, settings: EdgeSettings) -> EdgeBackend:
+        engine = await asyncio.to_thread(Engine, engine_config(settings))
+        await engine.start()
+        return cls(engine)
+
+    async def aclose(self) -> None:
+        await self.engine.close()
+
+    @property
+    def is_running(self) -> bool:
+        return self.engine.is_running
+
+    def reply(self, kind: str, data: dict, request_id: str, ping: float) -> EngineReply:
+        try:
+            prepared = self.serving.prepare(kind, data)
+        except EngineError as exc:
+            raise engine_error(exc) from None
+        return EngineReply(self.serving, prepared, request_id, ping)
+
+    def stats(self) -> EdgeStats:
+        stats = self.engine.stats()
+        return EdgeStats(
+            queue_depth=stats.num_waiting,
+            running=stats.num_running,
+            kv_blocks_free=stats.num_kv_blocks_free,
+            kv_blocks_total=stats.num_kv_blocks_total,
+            block_size=stats.block_size,
+            recent_ttft_ms=stats.ttft_ms_p50,
+            recent_tpot_ms=stats.tpot_ms_p50,
+            healthy=self.engine.is_running,
+        )
+
+
+def engine_config(settings: EdgeSettings) -> EngineConfig:
+    name = settings.name
+    if name is None and settings.model is None:
+        name = DEFAULT_EDGE_MODEL
+    return EngineConfig(
+        model=settings.model,
+        model_name=name,
+        dtype=settings.dtype,
+        device=settings.device,
+        num_kv_blocks=settings.num_kv_blocks,
+        kv_cache_memory_fraction=settings.kv_cache_memory_fraction,
+        max_kv_cache_tokens=settings.max_kv_cache_tokens,
+        max_model_len=settings.max_model_len,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_queue_len=settings.max_queue_len,
+        enable_prefix_caching=settings.enable_prefix_caching,
+        num_threads=settings.num_threads,
+    )
