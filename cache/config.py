@@ -25,7 +25,8 @@ class CacheConfig(BaseModel):
     # per-route TTL in seconds ("chat", "completion"); 0 disables caching for that route
     route_ttl: dict[Literal["chat", "completion"], float] = Field(default_factory=dict)
     # whether a request without `temperature` is greedy on the models behind this gateway
-    default_greedy: bool = True
+    # (OpenAI, vLLM and the edge engine default to temperature 1: not greedy)
+    default_greedy: bool = False
     # Redis URL for the "redis"/"tiered" backends and cross-replica single-flight
     redis_url: str = "redis://127.0.0.1:6379/0"
     # per-command Redis timeout in seconds (raise it for a cross-region Redis); a slower
