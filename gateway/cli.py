@@ -1,8 +1,10 @@
-"""``edgegw serve | check-config`` (also ``python -m gateway``).
+"""``edgegw serve | check-config | explain`` (also ``python -m gateway``).
 
     edgegw serve --config configs/default.yaml
-    edgegw serve --upstream http://127.0.0.1:8000 [--upstream URL ...] [--host H --port P] [--http2]
+    edgegw serve --upstream http://127.0.0.1:8000 [--upstream URL ...] [--host H --port P] [--http2] [--cache memory]
+    edgegw serve --model ./model.gguf
     edgegw check-config FILE
+    edgegw explain --config FILE --ip PEER [--header 'Name: value' ...] --body FILE [--json]
 """
 
 from __future__ import annotations
@@ -10,13 +12,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import sys
+import time
 from collections.abc import Iterator
 
+import orjson
 import uvicorn
 
+from cache import CacheConfig
 from gateway.app import create_app
-from gateway.settings import ConfigError, Settings, load_settings, quickstart_settings
+from gateway.settings import DEFAULT_EDGE_MODEL, ConfigError, Settings, load_settings, quickstart_settings
+from routing import ClusterSpec, RouteDecision, RoutingError, Target, TargetKind
+from routing import explain as explain_route
 
 __all__ = ["main"]
 
@@ -37,14 +45,41 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--host", help="address to bind (overrides the config)")
     serve.add_argument("--port", type=int, help="port to bind (overrides the config)")
     serve.add_argument("--http2", action="store_true", help="talk HTTP/2 to the --upstream servers (h2c or ALPN)")
+    serve.add_argument(
+        "--cache",
+        metavar="BACKEND",
+        help="exact-response cache: memory | off | redis://HOST:PORT/DB | tiered+redis://HOST:PORT/DB",
+    )
+    serve.add_argument(
+        "--model",
+        metavar="PATH",
+        help="serve this local GGUF file or Hugging Face directory from the in-process edge engine",
+    )
     serve.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
 
     check = commands.add_parser("check-config", help="validate a configuration file and exit")
     check.add_argument("file", metavar="FILE")
 
+    explain = commands.add_parser(
+        "explain", help="print the routing decision for a request, without sending anything"
+    )
+    explain.add_argument("--config", metavar="FILE", required=True, help="YAML configuration")
+    explain.add_argument("--ip", metavar="PEER_ADDR", required=True, help="the socket peer's address")
+    explain.add_argument(
+        "--header",
+        metavar="'Name: value'",
+        action="append",
+        default=[],
+        help="a request header (repeatable), e.g. 'X-Forwarded-For: 198.51.100.7'",
+    )
+    explain.add_argument("--body", metavar="FILE", required=True, help="the JSON request body ('-': stdin)")
+    explain.add_argument("--json", action="store_true", help="print the decision as a JSON object")
+
     args = parser.parse_args(argv)
     if args.command == "check-config":
         return _check_config(args.file)
+    if args.command == "explain":
+        return _explain(args)
     return _serve(args, parser)
 
 
@@ -59,6 +94,119 @@ def _check_config(path: str) -> int:
     return 0
 
 
+def _explain(args: argparse.Namespace) -> int:
+    """Routing's decision for one request: client address, location, region, target,
+    fallbacks, reasons. No sockets are opened and the edge engine is not loaded; health
+    is fresh (nothing measured, every breaker closed)."""
+    try:
+        settings = load_settings(args.config)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    headers: dict[str, str] = {}
+    for raw in args.header:
+        name, sep, value = raw.partition(":")
+        if not sep or not name.strip():
+            print(f"error: --header {raw!r}: expected 'Name: value'", file=sys.stderr)
+            return 2
+        headers[name.strip().lower()] = value.strip()
+    try:
+        raw_body = sys.stdin.buffer.read() if args.body == "-" else open(args.body, "rb").read()
+    except OSError as exc:
+        print(f"error: --body {args.body}: cannot read: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    try:
+        body = orjson.loads(raw_body)
+    except orjson.JSONDecodeError as exc:
+        print(f"error: --body {args.body}: not valid JSON: {exc}", file=sys.stderr)
+        return 2
+    if not isinstance(body, dict):
+        print(f"error: --body {args.body}: must be a JSON object", file=sys.stderr)
+        return 2
+    clusters = [ClusterSpec(c.name, tuple(c.models), tuple(e.url for e in c.endpoints)) for c in settings.clusters]
+    try:
+        decision = explain_route(
+            settings.routing,
+            clusters,
+            args.ip,
+            headers,
+            body,
+            time.monotonic(),
+            edge_model=_edge_model_name(settings),
+        )
+    except RoutingError as exc:
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as exc:  # an unreadable GeoIP database
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        sys.stdout.write(orjson.dumps(decision.to_dict(), option=orjson.OPT_INDENT_2).decode() + "\n")
+    else:
+        sys.stdout.write(_describe_decision(decision))
+    return 0
+
+
+def _edge_model_name(settings: Settings) -> str | None:
+    """The model name the edge engine would serve, without loading it (as gateway/edge.py
+    and the engine's loader name it)."""
+    edge = settings.edge
+    if not edge.enabled:
+        return None
+    if edge.name is not None:
+        return edge.name
+    if edge.model is None:
+        return DEFAULT_EDGE_MODEL
+    name = os.path.basename(os.path.normpath(edge.model))
+    return name[: -len(".gguf")] if name.endswith(".gguf") else name
+
+
+def _describe_decision(d: RouteDecision) -> str:
+    loc = d.location
+    if loc is None:
+        where = "unknown (not in the GeoIP database)"
+    else:
+        place = ", ".join(p for p in (loc.city, loc.country) if p) or "?"
+        coords = "" if loc.latitude is None else f" ({loc.latitude:.2f}, {loc.longitude:.2f})"
+        where = f"{place}{coords}"
+    lines = [
+        f"client ip:  {d.client_ip or '-'}",
+        f"location:   {where}",
+        f"region:     {d.region}",
+        f"model:      {d.requested_model} -> {d.model}",
+        f"target:     {_describe_target(d.target)}",
+    ]
+    if d.fallbacks:
+        lines.append("fallbacks:")
+        lines += [f"  {i}. {_describe_target(t)}" for i, t in enumerate(d.fallbacks, 1)]
+    else:
+        lines.append("fallbacks:  none")
+    lines.append(f"budget:     {d.budget_ms:.0f} ms")
+    if d.hedge_target is not None and d.hedge_after_ms is not None:
+        lines.append(f"hedge:      {d.hedge_target.label()} after {d.hedge_after_ms:.0f} ms without a first token")
+    else:
+        lines.append("hedge:      none")
+    if d.cascade_threshold is not None:
+        lines.append(f"cascade:    escalate if the edge answer's mean logprob < {d.cascade_threshold:g}")
+    else:
+        lines.append("cascade:    none")
+    if d.degraded:
+        lines.append("degraded:   yes")
+    if d.affinity is not None:
+        lines.append(f"affinity:   {d.affinity}")
+    lines.append("reasons:")
+    lines += [f"  - {r}" for r in d.reasons]
+    lines.append(f"header:     x-edgegw-route: {d.header_value()}")
+    return "\n".join(lines) + "\n"
+
+
+def _describe_target(t: Target) -> str:
+    pred = "" if t.predicted_ttft_ms is None else f", predicted TTFT {t.predicted_ttft_ms:.0f} ms"
+    if t.kind is TargetKind.ENDPOINT:
+        return f"{t.cluster} @ {t.endpoint} (region {t.region}, model {t.model}{pred})"
+    return f"{t.kind.value} (region {t.region}, model {t.model}{pred})"
+
+
 def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         if args.config and args.upstream:
@@ -66,10 +214,12 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if args.config:
             settings = load_settings(args.config)
         elif args.upstream:
-            settings = quickstart_settings(args.upstream, protocol="http2" if args.http2 else "http1")
+            settings = quickstart_settings(args.upstream, protocol="http2" if args.http2 else "http1", cache=args.cache)
+        elif args.model:
+            settings = quickstart_settings([], cache=args.cache)
         else:
-            parser.error("give --config FILE or at least one --upstream URL")
-        settings = _override_listen(settings, args)
+            parser.error("give --config FILE, --upstream URL or --model PATH")
+        settings = _override(settings, args)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -95,7 +245,18 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
-def _override_listen(settings: Settings, args: argparse.Namespace) -> Settings:
+def _override(settings: Settings, args: argparse.Namespace) -> Settings:
+    """Apply the command line's --host/--port/--log-level, --cache and --model on top."""
+    if args.cache and args.config:
+        try:
+            settings = settings.model_copy(update={"cache": CacheConfig.from_cli(args.cache)})
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    if args.model:
+        if not os.path.exists(args.model):
+            raise ConfigError(f"--model: {args.model!r} does not exist")
+        edge = settings.edge.model_copy(update={"enabled": True, "model": args.model})
+        settings = settings.model_copy(update={"edge": edge})
     listen = settings.listen
     changes = {}
     if args.host:
