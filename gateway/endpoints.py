@@ -180,7 +180,6 @@ async def answer(
             if flight is not None and not flight.is_leader:
                 followed = await _follow(layer.follower(flight, parsed, ping), parsed)
                 if followed is not None:
-                    layer.metrics.coalesced("local")
                     timing.mark("cache", "coalesced")
                     result.reply = followed
                     result.route = _route_header(dispatcher.route(parsed, peer, headers, cache_hit=True)) + b"; coalesced=1"
