@@ -137,9 +137,9 @@ def _explain(args: argparse.Namespace) -> int:
     except RoutingError as exc:
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    except (OSError, ValueError) as exc:  # an unreadable GeoIP database
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    except (OSError, ValueError, RuntimeError) as exc:  # a missing or unreadable GeoIP database
+        print(f"error: routing.geoip_db {settings.routing.geoip_db!r}: {exc}", file=sys.stderr)
+        return 2
     if args.json:
         sys.stdout.write(orjson.dumps(decision.to_dict(), option=orjson.OPT_INDENT_2).decode() + "\n")
     else:
