@@ -17,7 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from cache import CacheConfig
-from routing import RoutingConfig
+from routing import ClusterSpec, RoutingConfig, RoutingTable, TableError
 
 __all__ = [
     "ConfigError",
@@ -137,6 +137,16 @@ class Settings(_Model):
             raise ValueError(f"duplicate cluster names: {', '.join(duplicates)}")
         return self
 
+    @model_validator(mode="after")
+    def _routing_matches_clusters(self) -> Settings:
+        specs = [ClusterSpec(c.name, c.models, tuple(e.url for e in c.endpoints)) for c in self.clusters]
+        edge_model = (self.edge.name or DEFAULT_EDGE_MODEL) if self.edge.enabled else None
+        try:
+            RoutingTable.build(self.routing, specs, edge_model)
+        except TableError as exc:
+            raise ValueError(f"routing does not match the clusters: {exc}") from None
+        return self
+
 
 def endpoint_api_key(endpoint: EndpointSettings) -> str | None:
     if endpoint.api_key is not None:
@@ -181,18 +191,12 @@ def quickstart_settings(
         cache_config = CacheConfig.from_cli(cache) if cache else CacheConfig(backend="off")
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    clusters = []
+    if upstreams:
+        clusters.append({"name": "default", "endpoints": [{"url": url, "protocol": protocol} for url in upstreams]})
     try:
         return Settings.model_validate(
-            {
-                "listen": {"host": host, "port": port},
-                "clusters": [
-                    {
-                        "name": "default",
-                        "endpoints": [{"url": url, "protocol": protocol} for url in upstreams],
-                    }
-                ],
-                "cache": cache_config,
-            }
+            {"listen": {"host": host, "port": port}, "clusters": clusters, "cache": cache_config}
         )
     except ValidationError as exc:
         raise ConfigError(_describe("--upstream", None, exc)) from None

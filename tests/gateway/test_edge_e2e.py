@@ -1,0 +1,89 @@
+"""The real SmolLM2 served in-process through the gateway: the same streaming,
+cancellation, errors and Server-Timing as a remote upstream. Loads the model once."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import httpx
+import openai
+import orjson
+import pytest
+
+from gateway.settings import Settings
+from tests.conftest import GatewayThread
+
+pytestmark = pytest.mark.slow
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def edge_gateway():
+    settings = Settings.model_validate(
+        {"edge": {"enabled": True, "max_model_len": 2048}, "cache": {"backend": "memory"}}
+    )
+    gw = GatewayThread(settings).start()
+    yield gw
+    gw.stop()
+
+
+def test_capital_of_france_is_paris(edge_gateway):
+    client = openai.OpenAI(base_url=edge_gateway.url + "/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["smollm2-135m-instruct"]
+    first = client.chat.completions.with_raw_response.create(model="auto", messages=QUESTION, temperature=0, max_tokens=30)
+    answer = first.parse()
+    assert "Paris" in answer.choices[0].message.content
+    assert answer.model == "smollm2-135m-instruct"
+    assert first.headers["x-edgegw-route"].startswith("target=edge")
+    assert first.headers["x-cache"] == "MISS"
+    again = client.chat.completions.with_raw_response.create(model="auto", messages=QUESTION, temperature=0, max_tokens=30)
+    assert again.headers["x-cache"] == "HIT"  # greedy: the first answer was stored
+    assert again.headers["x-edgegw-route"].startswith("target=cache")
+    assert again.parse().choices[0].message.content == answer.choices[0].message.content
+    stream = client.chat.completions.create(
+        model="smollm2-135m-instruct", messages=QUESTION, temperature=0, max_tokens=30, stream=True, seed=7
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert "Paris" in text
+
+
+def test_edge_stream_has_server_timing_and_ends_with_done(edge_gateway):
+    body = {"model": "smollm2-135m-instruct", "messages": QUESTION, "max_tokens": 8, "stream": True, "temperature": 0.7}
+    response = httpx.post(edge_gateway.url + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200
+    assert response.headers["x-cache"] == "BYPASS"
+    assert "admit;dur=" in response.headers["server-timing"]
+    assert response.content.endswith(b"data: [DONE]\n\n")
+
+
+def test_edge_errors_name_the_parameter(edge_gateway):
+    body = {"model": "smollm2-135m-instruct", "messages": QUESTION, "max_tokens": 100_000}
+    response = httpx.post(edge_gateway.url + "/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "max_tokens"
+
+
+def test_client_disconnect_frees_the_engine_sequence(edge_gateway):
+    engine = edge_gateway.state.dispatcher.edge.engine
+    host, port = edge_gateway.url.removeprefix("http://").split(":")
+    body = orjson.dumps(
+        {"model": "smollm2-135m-instruct", "messages": QUESTION, "max_tokens": 1000, "stream": True,
+         "temperature": 1.0, "ignore_eos": True}
+    )
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
+            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
+        received = b""
+        while received.count(b"data:") < 3:
+            received += sock.recv(65536)
+        assert engine.stats().num_running == 1
+    deadline = time.monotonic() + 5
+    while engine.stats().num_running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stats = engine.stats()
+    assert stats.num_running == 0 and stats.num_waiting == 0
+    assert stats.num_kv_blocks_used == 0
