@@ -139,8 +139,9 @@ class Attention(nn.Module):
         if Bd:
             assert meta.decode_block_tables is not None and meta.decode_mask is not None
             L = meta.decode_block_tables.shape[1] * k_cache.shape[1]
-            kd = k_cache[meta.decode_block_tables].view(Bd, L, KH, D).transpose(1, 2)  # [Bd, KH, L, D]
-            vd = v_cache[meta.decode_block_tables].view(Bd, L, KH, D).transpose(1, 2)
+            blocks = meta.decode_block_tables.view(-1)  # index_select copies whole blocks (fast path)
+            kd = torch.index_select(k_cache, 0, blocks).view(Bd, L, KH, D).transpose(1, 2)  # [Bd, KH, L, D]
+            vd = torch.index_select(v_cache, 0, blocks).view(Bd, L, KH, D).transpose(1, 2)
             qd = q[:Bd].view(Bd, 1, H, D).transpose(1, 2)  # [Bd, H, 1, D]
             od = F.scaled_dot_product_attention(
                 qd, kd.to(qd.dtype), vd.to(qd.dtype), attn_mask=meta.decode_mask, enable_gqa=True
@@ -149,8 +150,9 @@ class Attention(nn.Module):
         for chunk in meta.prefills:
             S = chunk.end - chunk.start
             C = chunk.context_len
-            kp = k_cache[chunk.block_table].view(-1, KH, D)[:C].transpose(0, 1).unsqueeze(0)  # [1, KH, C, D]
-            vp = v_cache[chunk.block_table].view(-1, KH, D)[:C].transpose(0, 1).unsqueeze(0)
+            kp = torch.index_select(k_cache, 0, chunk.block_table).view(-1, KH, D)[:C].transpose(0, 1).unsqueeze(0)
+            vp = torch.index_select(v_cache, 0, chunk.block_table).view(-1, KH, D)[:C].transpose(0, 1).unsqueeze(0)
+            # kp, vp: [1, KH, C, D]
             qp = q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)  # [1, H, S, D]
             op = F.scaled_dot_product_attention(
                 qp,
