@@ -264,6 +264,17 @@ def test_cache_control_max_age(memory_gw):
     assert completions(fake) == 3
 
 
+def test_cache_control_only_if_cached(memory_gw):
+    fake, gw = memory_gw()
+    body = chat(unique())
+    response = post(gw, body, {"cache-control": "only-if-cached"})
+    assert response.status_code == 504
+    assert completions(fake) == 0
+    post(gw, body)
+    assert post(gw, body, {"cache-control": "only-if-cached"}).headers["x-cache"] == "HIT"
+    assert completions(fake) == 1
+
+
 # -- replay shapes -----------------------------------------------------------------------
 
 
@@ -428,6 +439,21 @@ async def test_singleflight_across_gateway_processes(upstreams, gateway_processe
     _check_burst(responses, 20)
     assert post(two, body).headers["x-cache"] == "HIT"
     assert post(one, body).headers["x-cache"] == "HIT"
+
+    # a leader broken mid-stream: the other process's followers end too, nothing stored
+    broken = chat(unique(), stream=True, fake={"ttft": 0.5, "delay": 0.05, "fail_after": 3})
+    before = completions(fake)
+    started = time.monotonic()
+    async with httpx.AsyncClient(timeout=15) as client:
+        urls = [one.url, two.url] * 5
+        responses = await asyncio.wait_for(asyncio.gather(*[client.post(u + CHAT_PATH, json=broken) for u in urls]), 12)
+    assert time.monotonic() - started < 10
+    assert all(r.status_code >= 400 or b'"error"' in r.content for r in responses)
+    assert completions(fake) - before >= 1
+    for gw in (one, two):
+        calls = completions(fake)
+        assert post(gw, broken).headers["x-cache"] == "MISS"
+        assert completions(fake) == calls + 1
 
 
 async def test_broken_leader_does_not_strand_followers(memory_gw):
