@@ -160,7 +160,8 @@ class Dispatcher:
     async def _probe(self, upstream: Upstream, config) -> None:
         started = time.monotonic()
         try:
-            response = await upstream.client.get(config.probe_path, timeout=config.probe_timeout_s)
+            # the pool transport does not apply httpx's per-request timeout: bound it here
+            response = await asyncio.wait_for(upstream.client.get(config.probe_path), config.probe_timeout_s)
             ok = response.status_code < 500
         except Exception:
             ok = False
@@ -284,18 +285,46 @@ class Dispatcher:
         except GatewayError:
             health.record_end(upstream.url, False, 0, time.monotonic() - now, time.monotonic())
             raise
+        except BaseException:  # cancelled (a hedge's loser, a client gone): not the endpoint's fault
+            health.record_end(upstream.url, True, 0, time.monotonic() - now, time.monotonic())
+            raise
+        reply = _TrackedReply(
+            response, upstream, limits.keepalive_interval_s, limits.max_event_bytes, limits.max_response_bytes
+        )
+        reply.health, reply.started_at = health, now
         if response.status >= 500:
             self.metrics.upstream_errors.labels(upstream.url, f"http_{response.status}").inc()
-            health.record_end(upstream.url, False, 0, time.monotonic() - now, time.monotonic())
-        return UpstreamReply(response, upstream, limits.keepalive_interval_s, limits.max_event_bytes, limits.max_response_bytes)
+            reply.end(False, 0)
+        return reply
 
     def record_first_token(self, reply: Reply, ttft: float) -> None:
         if reply.upstream is not None:
             self.health.record_first_token(reply.upstream.url, ttft, time.monotonic())
 
     def record_end(self, reply: Reply, ok: bool, chunks: int, duration: float) -> None:
-        if reply.upstream is not None and reply.status < 500:
-            self.health.record_end(reply.upstream.url, ok, chunks, duration, time.monotonic())
+        if isinstance(reply, _TrackedReply):
+            reply.end(ok, chunks, duration)
+
+
+class _TrackedReply(UpstreamReply):
+    """An upstream reply that reports its end to ``HealthState`` exactly once: when the
+    relay finishes it, or else when it is closed (a 4xx, a hedge's loser, a client gone,
+    a stream broken off), so the endpoint's in-flight count never leaks."""
+
+    health: HealthState
+    started_at = 0.0
+    ended = False
+
+    def end(self, ok: bool, chunks: int, duration: float | None = None) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        now = time.monotonic()
+        self.health.record_end(self.upstream.url, ok, chunks, now - self.started_at if duration is None else duration, now)
+
+    async def aclose(self) -> None:
+        self.end(True, 0)
+        await super().aclose()
 
 
 async def _first_byte(opening, stream: bool) -> tuple[Reply, Target, int]:
