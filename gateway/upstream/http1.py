@@ -47,7 +47,7 @@ class _H1Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.is_closed = False
         self._paused = False
-        self._head: asyncio.Future[tuple[int, list[tuple[bytes, bytes]]]] | None = None
+        self._head: asyncio.Future[tuple[int, list[tuple[bytes, bytes]], Body]] | None = None
         self._headers: list[tuple[bytes, bytes]] = []
         self._body: Body | None = None
         self._got_bytes = False
@@ -93,7 +93,9 @@ class _H1Connection(asyncio.Protocol):
         self._body = Body(self._loop, self._pool._high_water, self._pause, self._drained)
         head = self._head
         if head is not None and not head.done():
-            head.set_result((status, self._headers))
+            # the body travels with the head: a small response can complete, release this
+            # connection and have it taken by the next exchange before our waiter resumes
+            head.set_result((status, self._headers, self._body))
 
     def on_body(self, data: bytes) -> None:
         self._body.feed(data)  # type: ignore[union-attr]
@@ -134,13 +136,13 @@ class _H1Connection(asyncio.Protocol):
         self.transport.write(data)  # type: ignore[union-attr]
         handle = self._loop.call_later(timeout, _head_timeout, head, timeout)
         try:
-            status, headers = await head
+            status, headers, body = await head
         except BaseException:
             self.cancel()
             raise
         finally:
             handle.cancel()
-        return status, headers, self._body  # type: ignore[return-value]
+        return status, headers, body
 
     def cancel(self) -> None:
         if not self.is_closed and self.transport is not None:
