@@ -1,0 +1,257 @@
+"""Routing through the running gateway: two regions of fake upstreams on loopback.
+
+Clients are placed with ``X-Forwarded-For`` from a trusted loopback proxy and a .mmdb
+fixture (TEST-NET-1 in San Jose, TEST-NET-2 in Frankfurt); the regions are us-west and
+eu-central. What is asserted is what a client or an upstream can see: which fake got
+the request (and with which model), the ``x-edgegw-route`` header, disconnects, plus the
+gateway's health state for ejection and readmission.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+from mmdb_writer import MMDBWriter
+from netaddr import IPSet
+
+from routing import BreakerState
+from tests.fakes import FakeUpstream, free_port
+
+US_CLIENT = "192.0.2.10"
+EU_CLIENT = "198.51.100.7"
+MODEL = "fake-model"
+
+
+def _city(iso: str, name: str, lat: float, lon: float) -> dict:
+    return {
+        "city": {"names": {"en": name}},
+        "country": {"iso_code": iso, "names": {"en": iso}},
+        "location": {"latitude": lat, "longitude": lon},
+    }
+
+
+@pytest.fixture(scope="module")
+def geo_db(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("geo") / "city.mmdb")
+    w = MMDBWriter(ip_version=6, ipv4_compatible=True, database_type="Test-City", languages=["en"], description="t")
+    w.insert_network(IPSet(["192.0.2.0/24"]), _city("US", "San Jose", 37.34, -121.89))
+    w.insert_network(IPSet(["198.51.100.0/24"]), _city("DE", "Frankfurt", 50.11, 8.68))
+    w.to_db_file(path)
+    return path
+
+
+def endpoints(*urls: str) -> list[dict]:
+    return [{"url": u, "warm_connections": 0, "connect_timeout_s": 1.0} for u in urls]
+
+
+def two_regions(geo_db: str, west: list[str], east: list[str], **routing) -> dict:
+    """us-west (cluster `west`) and eu-central (cluster `east`), both serving MODEL."""
+    base = {
+        "geoip_db": geo_db,
+        "trusted_proxies": ["127.0.0.0/8"],
+        "default_region": "us-west",
+        "local_region": "us-west",
+        "regions": [
+            {"name": "us-west", "lat": 37.77, "lon": -122.42, "clusters": ["west"]},
+            {"name": "eu-central", "lat": 50.11, "lon": 8.68, "clusters": ["east"]},
+        ],
+        "aliases": {"auto": "auto", "smart": MODEL},
+        "balancer": {"affinity": False},
+        "hedging": {"enabled": False},
+    }
+    for key, value in routing.items():
+        base[key] = {**base[key], **value} if isinstance(base.get(key), dict) else value
+    return {
+        "clusters": [
+            {"name": "west", "models": [MODEL], "endpoints": endpoints(*west)},
+            {"name": "east", "models": [MODEL], "endpoints": endpoints(*east)},
+        ],
+        "routing": base,
+    }
+
+
+def post(gw, client_ip: str, *, stream: bool = False, model: str = MODEL, headers: dict | None = None, **body) -> httpx.Response:
+    payload = {"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": stream, **body}
+    response = httpx.post(
+        gw.url + "/v1/chat/completions",
+        json=payload,
+        headers={**({"x-forwarded-for": client_ip} if client_ip else {}), **(headers or {})},
+        timeout=15,
+    )
+    route = response.headers.get("x-edgegw-route")
+    assert route is not None, "x-edgegw-route on every response"
+    assert "\n" not in route and "\r" not in route
+    assert route.startswith("target=") and "why=" in route
+    return response
+
+
+def wait_for(predicate, timeout: float = 5.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def test_requests_go_to_the_clients_nearest_region(upstreams, gateways, geo_db):
+    west, east = upstreams(), upstreams()
+    config = two_regions(geo_db, [west.url], [east.url])
+    # before anything is measured the client's distance decides (after, the gateway's own
+    # TTFT measurements do: see the next test), so each client meets a fresh gateway
+    eu = post(gateways(config), EU_CLIENT)
+    assert eu.status_code == 200
+    assert len(east.requests) == 1 and not west.requests
+    route = eu.headers["x-edgegw-route"]
+    assert f"target=endpoint; cluster=east; endpoint={east.url}" in route
+    assert "target-region=eu-central; client-region=eu-central" in route
+    assert f"fallbacks=west@{west.url}" in route
+    assert "region eu-central (east) predicted" in route
+    gw = gateways(config)
+    us = post(gw, US_CLIENT, stream=True)
+    assert us.status_code == 200 and "data: [DONE]" in us.text
+    assert len(west.requests) == 1 and len(east.requests) == 1
+    assert f"target=endpoint; cluster=west; endpoint={west.url}" in us.headers["x-edgegw-route"]
+    assert "client-region=us-west" in us.headers["x-edgegw-route"]
+    # no X-Forwarded-For: the peer 127.0.0.1 itself, in no database -> the default region
+    local = post(gw, "")
+    assert "client-region=us-west" in local.headers["x-edgegw-route"]
+    assert "location unknown -> default region us-west" in local.headers["x-edgegw-route"]
+
+
+def test_load_shifts_to_the_faster_endpoint_once_measured(upstreams, gateways, geo_db):
+    a, b = upstreams(ttft=0.05), upstreams(ttft=0.05)
+    # prior_ttft_ms 0: an unmeasured replica looks fast, so both get tried and measured
+    config = two_regions(geo_db, [a.url, b.url], [], policy={"prior_ttft_ms": 0.0})
+    config["clusters"] = config["clusters"][:1]
+    config["routing"]["regions"] = config["routing"]["regions"][:1]
+    gw = gateways(config)
+    health = gw.state.dispatcher.health
+    for _ in range(6):
+        assert post(gw, US_CLIENT, stream=True).status_code == 200
+    assert a.requests and b.requests, "both replicas measured"
+    # slow down the replica routing prefers right now
+    preferred = post(gw, US_CLIENT, stream=True).headers["x-edgegw-route"]
+    slow, fast = (a, b) if f"endpoint={a.url}" in preferred else (b, a)
+    slow.defaults["ttft"] = 0.4
+    before = len(slow.requests)
+    routes = [post(gw, US_CLIENT, stream=True).headers["x-edgegw-route"] for _ in range(10)]
+    assert len(slow.requests) > before, "the slowed replica was measured slow..."
+    assert all(f"endpoint={fast.url}" in r for r in routes[-6:]), "...and the load moved to the fast one"
+    assert health.endpoint(slow.url).ttft_s > 0.1 > health.endpoint(fast.url).ttft_s
+    assert health.endpoint(slow.url).inflight == 0 and health.endpoint(fast.url).inflight == 0
+
+
+@pytest.mark.parametrize("failure", ["status-500", "closed-port"])
+def test_a_failing_endpoint_is_failed_over_ejected_and_readmitted(upstreams, gateways, geo_db, failure):
+    east = upstreams(ttft=0.1)  # measurably slower than west's prediction once west is back
+    if failure == "status-500":
+        broken = upstreams(status=500)
+        broken_url = broken.url
+    else:
+        broken, broken_url = None, f"http://127.0.0.1:{free_port()}"
+    health_cfg = {
+        "failure_threshold": 2,
+        "probe_interval_s": 0.1,
+        "probe_timeout_s": 0.3,
+        "open_duration_s": 0.5,
+        "max_open_duration_s": 1.0,
+        "half_open_probes": 1,
+    }
+    gw = gateways(two_regions(geo_db, [broken_url], [east.url], health=health_cfg, policy={"prior_ttft_ms": 10.0}))
+    state = gw.state.dispatcher.health
+    # a US client goes to west first; its failure is served by the east fallback
+    r = post(gw, US_CLIENT)
+    assert r.status_code == 200, r.text
+    assert len(east.requests) == 1
+    route = r.headers["x-edgegw-route"]
+    if failure == "status-500" or "skipped west" not in route:  # a closed port may fail its probes first
+        assert f"target=endpoint; cluster=west; endpoint={broken_url}" in route
+        assert f"served-by=east@{east.url}" in route
+    if broken is not None:
+        broken.defaults["health_delay"] = 5.0  # its probes now time out as well
+
+    def ejected() -> bool:
+        if state.state(broken_url, time.monotonic()) is BreakerState.OPEN:
+            return True
+        assert post(gw, US_CLIENT).status_code == 200
+        return False
+
+    # failed requests and probes eject it: the circuit opens and routing avoids it
+    wait_for(ejected, 5, "ejection")
+    sent = len(broken.requests) if broken is not None else 0
+    r = post(gw, US_CLIENT)
+    assert r.status_code == 200
+    route = r.headers["x-edgegw-route"]
+    assert f"target=endpoint; cluster=east; endpoint={east.url}" in route
+    assert "skipped west: all endpoints ejected" in route
+    assert "served-by" not in route
+    if broken is not None:
+        assert len(broken.requests) == sent, "an ejected endpoint gets no requests"
+    # it recovers; the active probes readmit it (half-open, then closed) without a request
+    if broken is not None:
+        broken.defaults.update(status=200, health_delay=0.0)
+    else:
+        broken = FakeUpstream()
+        broken.port, broken.url = int(broken_url.rsplit(":", 1)[1]), broken_url
+        broken.start()
+    try:
+        wait_for(lambda: state.state(broken_url, time.monotonic()) is BreakerState.CLOSED, 8, "readmission")
+        r = post(gw, US_CLIENT)
+        assert r.status_code == 200
+        assert f"target=endpoint; cluster=west; endpoint={broken_url}" in r.headers["x-edgegw-route"]
+        assert "served-by" not in r.headers["x-edgegw-route"]
+        assert broken.requests[-1].body["messages"][0]["content"] == "hi"
+    finally:
+        if failure == "closed-port":
+            broken.stop()
+
+
+def test_a_late_first_token_is_hedged_and_the_slow_primary_cancelled(upstreams, gateways, geo_db):
+    slow, hedge = upstreams(ttft=5.0), upstreams()
+    config = two_regions(geo_db, [slow.url], [hedge.url], hedging={"enabled": True, "budget_fraction": 0.5, "min_delay_ms": 0})
+    gw = gateways(config)
+    started = time.monotonic()
+    r = post(gw, US_CLIENT, stream=True, headers={"x-latency-budget-ms": "300"})
+    elapsed = time.monotonic() - started
+    assert r.status_code == 200 and "data: [DONE]" in r.text
+    route = r.headers["x-edgegw-route"]
+    assert f"target=endpoint; cluster=west; endpoint={slow.url}" in route
+    assert "budget=300ms" in route and f"hedge=east@{hedge.url}@150ms" in route
+    assert f"served-by=east@{hedge.url}" in route
+    assert elapsed < 3.0, "the answer came from the hedge, not after the slow primary's 5 s"
+    assert len(slow.requests) == 1 and len(hedge.requests) == 1
+    assert slow.requests[0].disconnected.wait(3), "the slow primary's request was cancelled"
+    assert not slow.requests[0].finished
+    # and nothing is left counted in flight on either endpoint
+    health = gw.state.dispatcher.health
+    wait_for(lambda: health.endpoint(slow.url).inflight == 0, 3, "the loser's in-flight count released")
+    assert health.endpoint(hedge.url).inflight == 0
+
+
+def test_auto_without_an_edge_engine_goes_to_a_cluster_and_aliases_resolve(upstreams, gateways, geo_db):
+    west, east = upstreams(), upstreams()
+    gw = gateways(two_regions(geo_db, [west.url], [east.url]))
+    r = post(gw, EU_CLIENT, model="auto")
+    assert r.status_code == 200
+    assert "target=endpoint; cluster=east" in r.headers["x-edgegw-route"]
+    assert "no edge engine here" in r.headers["x-edgegw-route"]
+    assert east.requests[-1].body["model"] == MODEL, "auto rewritten to the central model upstream"
+    r = post(gw, EU_CLIENT, model="smart", stream=True)
+    assert r.status_code == 200
+    assert "target=endpoint; cluster=east; endpoint=" in r.headers["x-edgegw-route"]
+    assert east.requests[-1].body["model"] == MODEL, "alias rewritten for the upstream"
+    assert east.requests[-1].body["messages"] == [{"role": "user", "content": "hi"}]
+    assert f'"model":"{MODEL}"' in r.text.replace(" ", "")
+    unknown = httpx.post(gw.url + "/v1/chat/completions", json={"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}, timeout=15)
+    assert unknown.status_code == 404
+
+
+def test_an_upstream_4xx_does_not_leave_the_endpoint_counted_in_flight(upstreams, gateways, geo_db):
+    west, east = upstreams(status=400), upstreams()
+    gw = gateways(two_regions(geo_db, [west.url], [east.url]))
+    for _ in range(3):
+        assert post(gw, US_CLIENT).status_code == 400
+    health = gw.state.dispatcher.health
+    wait_for(lambda: health.endpoint(west.url).inflight == 0, 3, "in-flight released after a 4xx")
