@@ -43,9 +43,9 @@ class GatewayThread:
     def state(self):
         return self.app.state.gateway
 
-    def start(self) -> GatewayThread:
+    def start(self, timeout: float = 20) -> GatewayThread:
         self.thread.start()
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + timeout
         while not self.server.started:
             if time.monotonic() > deadline or not self.thread.is_alive():
                 raise RuntimeError("gateway did not start")

@@ -24,7 +24,7 @@ def edge_gateway():
     settings = Settings.model_validate(
         {"edge": {"enabled": True, "max_model_len": 2048}, "cache": {"backend": "memory"}}
     )
-    gw = GatewayThread(settings).start()
+    gw = GatewayThread(settings).start(timeout=180)  # loading the model on a busy 2-core box
     yield gw
     gw.stop()
 
