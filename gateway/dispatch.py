@@ -26,6 +26,7 @@ from gateway.errors import (
     GatewayError,
     ModelNotFound,
     NoHealthyUpstream,
+    Overloaded,
     PoolTimeout,
     UpstreamConnectError,
 )
@@ -246,7 +247,7 @@ class Dispatcher:
             except (PoolTimeout, UpstreamConnectError) as exc:
                 last_error = exc
                 continue
-            except NoHealthyUpstream as exc:  # the engine is closed or overloaded
+            except (NoHealthyUpstream, Overloaded) as exc:  # the engine is closed or its queue is full
                 last_error = exc
                 continue
             if reply.status >= 500 and attempt < len(attempts):
