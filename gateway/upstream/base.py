@@ -14,9 +14,11 @@ from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
-from gateway.errors import PayloadTooLarge, UpstreamProtocolError, UpstreamReadTimeout
+import ssl as ssl_module
 
-__all__ = ["Body", "UpstreamResponse", "Pool", "Timeouts"]
+from gateway.errors import PayloadTooLarge, UpstreamConnectError, UpstreamReadTimeout
+
+__all__ = ["Body", "UpstreamResponse", "Pool", "Timeouts", "connect", "head_timeout"]
 
 
 class Timeouts:
@@ -183,6 +185,28 @@ class Pool(Protocol):
     async def aclose(self) -> None: ...
 
 
-def ensure_protocol(condition: bool, message: str) -> None:
-    if not condition:
-        raise UpstreamProtocolError(message)
+async def connect(
+    loop: asyncio.AbstractEventLoop,
+    factory: Callable[[], asyncio.Protocol],
+    host: str,
+    port: int,
+    ssl: ssl_module.SSLContext | None,
+    timeout: float,
+) -> asyncio.Protocol:
+    """Open a TCP (+TLS) connection with ``factory``'s protocol, mapping failures to
+    ``UpstreamConnectError``."""
+    try:
+        _, protocol = await asyncio.wait_for(
+            loop.create_connection(factory, host, port, ssl=ssl, server_hostname=host if ssl else None), timeout
+        )
+    except asyncio.TimeoutError:
+        raise UpstreamConnectError(f"connect to {host}:{port} timed out after {timeout:g} s") from None
+    except (OSError, ssl_module.SSLError) as exc:
+        raise UpstreamConnectError(f"cannot connect to {host}:{port}: {exc}") from None
+    return protocol
+
+
+def head_timeout(head: asyncio.Future, timeout: float) -> None:
+    """``call_later`` target: fail a response-headers future that waited too long."""
+    if not head.done():
+        head.set_exception(UpstreamReadTimeout(f"no response headers from the upstream within {timeout:g} s"))

@@ -26,9 +26,8 @@ from gateway.errors import (
     PoolTimeout,
     UpstreamConnectError,
     UpstreamProtocolError,
-    UpstreamReadTimeout,
 )
-from gateway.upstream.base import Body, Timeouts, UpstreamResponse
+from gateway.upstream.base import Body, Timeouts, UpstreamResponse, connect, head_timeout
 
 __all__ = ["H1Pool"]
 
@@ -134,7 +133,7 @@ class _H1Connection(asyncio.Protocol):
         self._got_bytes = False
         self._body = None
         self.transport.write(data)  # type: ignore[union-attr]
-        handle = self._loop.call_later(timeout, _head_timeout, head, timeout)
+        handle = self._loop.call_later(timeout, head_timeout, head, timeout)
         try:
             status, headers, body = await head
         except BaseException:
@@ -156,11 +155,6 @@ class _H1Connection(asyncio.Protocol):
         elif self._body is not None:
             self._body.feed_error(exc)
         self.cancel()
-
-
-def _head_timeout(head: asyncio.Future, timeout: float) -> None:
-    if not head.done():
-        head.set_exception(UpstreamReadTimeout(f"no response headers from the upstream within {timeout:g} s"))
 
 
 class H1Pool:
@@ -299,22 +293,9 @@ class H1Pool:
     async def _connect(self) -> _H1Connection:
         self._opening += 1
         try:
-            _, conn = await asyncio.wait_for(
-                self._loop.create_connection(
-                    lambda: _H1Connection(self),
-                    self._host,
-                    self._port,
-                    ssl=self._ssl,
-                    server_hostname=self._host if self._ssl else None,
-                ),
-                self._timeouts.connect,
+            conn = await connect(
+                self._loop, lambda: _H1Connection(self), self._host, self._port, self._ssl, self._timeouts.connect
             )
-        except asyncio.TimeoutError:
-            raise UpstreamConnectError(
-                f"connect to {self._host}:{self._port} timed out after {self._timeouts.connect:g} s"
-            ) from None
-        except (OSError, ssl_module.SSLError) as exc:
-            raise UpstreamConnectError(f"cannot connect to {self._host}:{self._port}: {exc}") from None
         finally:
             self._opening -= 1
         self._all.add(conn)

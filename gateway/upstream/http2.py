@@ -30,7 +30,7 @@ from gateway.errors import (
     UpstreamProtocolError,
     UpstreamReadTimeout,
 )
-from gateway.upstream.base import Body, Timeouts, UpstreamResponse
+from gateway.upstream.base import Body, Timeouts, UpstreamResponse, connect, head_timeout
 
 __all__ = ["H2Pool"]
 
@@ -176,7 +176,7 @@ class _H2Connection(asyncio.Protocol):
         try:
             if body:
                 await asyncio.wait_for(self._send_body(stream, body), timeouts.write)
-            handle = self._loop.call_later(timeouts.read, _head_timeout, head, timeouts.read)
+            handle = self._loop.call_later(timeouts.read, head_timeout, head, timeouts.read)
             status, response_headers = await head
         except asyncio.TimeoutError:
             self.cancel(stream_id)
@@ -269,11 +269,6 @@ _HANDLERS = {
     h2.events.RemoteSettingsChanged: _H2Connection._on_settings,
     h2.events.ConnectionTerminated: _H2Connection._on_goaway,
 }
-
-
-def _head_timeout(head: asyncio.Future, timeout: float) -> None:
-    if not head.done():
-        head.set_exception(UpstreamReadTimeout(f"no response headers from the upstream within {timeout:g} s"))
 
 
 class H2Pool:
@@ -401,23 +396,9 @@ class H2Pool:
         return conn
 
     async def _connect(self) -> _H2Connection:
-        try:
-            _, conn = await asyncio.wait_for(
-                self._loop.create_connection(
-                    lambda: _H2Connection(self),
-                    self._host,
-                    self._port,
-                    ssl=self._ssl,
-                    server_hostname=self._host if self._ssl else None,
-                ),
-                self._timeouts.connect,
-            )
-        except asyncio.TimeoutError:
-            raise UpstreamConnectError(
-                f"connect to {self._host}:{self._port} timed out after {self._timeouts.connect:g} s"
-            ) from None
-        except (OSError, ssl_module.SSLError) as exc:
-            raise UpstreamConnectError(f"cannot connect to {self._host}:{self._port}: {exc}") from None
+        conn = await connect(
+            self._loop, lambda: _H2Connection(self), self._host, self._port, self._ssl, self._timeouts.connect
+        )
         if self._ssl is not None:
             ssl_object = conn.transport.get_extra_info("ssl_object")
             if ssl_object is None or ssl_object.selected_alpn_protocol() != "h2":
