@@ -199,7 +199,10 @@ async def answer(
     if cascade:
         upstream_parsed = upstream_parsed.with_fields(logprobs=True)
     reply, target, attempts = await dispatcher.open(decision, upstream_parsed, forward, request_id)
-    timing.upstream(reply.pool_wait, attempts)
+    if reply.upstream is not None:
+        timing.upstream(reply.pool_wait, attempts)
+    else:
+        timing.mark("engine", "prompt rendered and tokenised")
     result.reply = reply
     result.attempts = attempts
     route = _route_header(decision)

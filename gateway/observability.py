@@ -7,7 +7,8 @@ Stages (Server-Timing names):
   pool      waiting for an upstream connection (connect included when a new one opened)
   upstream  from sending the request to the upstream's response headers (its queue + prefill
             for a streaming server that sends headers with the first token)
-  engine    the in-process edge engine's time to its first delta
+  engine    the in-process edge engine: chat template and tokenisation (its time to the
+            first token shows in the TTFT histogram; non-streaming answers in ``total``)
   total     everything up to the moment the header is sent (non-streaming: the whole answer)
 """
 
