@@ -231,11 +231,18 @@ def free_port() -> int:
 class FakeUpstream:
     """A fake server running in a thread; ``stop()`` ends it."""
 
-    def __init__(self, protocol: str = "http1", models: list[str] | None = None, **defaults: Any) -> None:
+    def __init__(
+        self,
+        protocol: str = "http1",
+        models: list[str] | None = None,
+        tls: tuple[str, str] | None = None,
+        **defaults: Any,
+    ) -> None:
         self.protocol = protocol
         self.app = FakeApp(models or ["fake-model"], defaults)
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.tls = tls  # (certfile, keyfile): serve https (ALPN h2 / http/1.1)
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._server: uvicorn.Server | None = None
@@ -261,7 +268,10 @@ class FakeUpstream:
 
     def _run(self) -> None:
         if self.protocol == "http1":
-            config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="error", lifespan="off")
+            tls = {"ssl_certfile": self.tls[0], "ssl_keyfile": self.tls[1]} if self.tls else {}
+            config = uvicorn.Config(
+                self.app, host="127.0.0.1", port=self.port, log_level="error", lifespan="off", **tls
+            )
             self._server = uvicorn.Server(config)
             self._server.run()
         else:
@@ -278,6 +288,8 @@ class FakeUpstream:
         # hypercorn leaves a stream whose app raised open until the connection idles out:
         # keep that short so a scripted mid-stream failure reaches the gateway quickly
         config.keep_alive_timeout = 1
+        if self.tls:
+            config.certfile, config.keyfile = self.tls
         task = asyncio.create_task(serve(self.app, config, shutdown_trigger=self._stop.wait, mode="asgi"))
         for _ in range(500):
             try:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+import ipaddress
 import socket
 import time
 
@@ -9,6 +11,10 @@ import httpx
 import openai
 import orjson
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
 from tests.conftest import cluster
 
@@ -203,3 +209,50 @@ def test_models_discovered_when_not_configured(upstreams, gateways):
     gw = gateways({"clusters": [{"name": "found", "endpoints": [{"url": fake.url}]}]})
     assert [m["id"] for m in httpx.get(gw.url + "/v1/models").json()["data"]] == ["alpha", "beta"]
     assert httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "model": "beta"}).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory):
+    """A self-signed certificate for 127.0.0.1."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    folder = tmp_path_factory.mktemp("tls")
+    certfile, keyfile = folder / "cert.pem", folder / "key.pem"
+    certfile.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    keyfile.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return str(certfile), str(keyfile)
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_tls_upstream_with_alpn(upstreams, gateways, certificate, protocol):
+    fake = upstreams(protocol, tls=certificate)
+    assert fake.url.startswith("https://")
+    gw = gateways({"clusters": [cluster(fake, verify_tls=False)]})
+    body = {**CHAT, "stream": True}
+    response = httpx.post(gw.url + "/v1/chat/completions", json=body)
+    assert response.status_code == 200
+    assert response.content == httpx.post(fake.url + "/v1/chat/completions", json=body, verify=False).content
+    pool = gw.state.dispatcher.upstreams[fake.url].pool
+    assert pool.protocol == protocol and pool.num_connections >= 1
+
+
+def test_tls_upstream_certificate_is_verified_by_default(upstreams, gateways, certificate):
+    fake = upstreams("http1", tls=certificate)
+    gw = gateways({"clusters": [cluster(fake, warm_connections=0)]})
+    response = httpx.post(gw.url + "/v1/chat/completions", json=CHAT)
+    assert response.status_code == 503  # the self-signed certificate is refused: no endpoint reachable
+    assert "certificate" in response.json()["error"]["message"].lower()
