@@ -3,8 +3,9 @@
 RMSNorm, RoPE (Hugging Face ``rotate_half`` layout; the GGUF loader un-permutes llama.cpp's
 Q/K rows), grouped-query attention and SwiGLU.  One call runs a *flat* batch: the tokens of
 every scheduled sequence concatenated, decode rows (one token each) first, then prefill
-chunks.  The linear layers see all tokens at once; attention runs once for all decode rows
-(their paged context gathered and padded, with a mask) and once per prefill chunk.  Where
+chunks.  The linear layers see all tokens at once; attention runs once per group of decode
+rows of similar context length (their paged blocks gathered and padded to the longest in
+the group, with a mask) and once per prefill chunk.  Where
 attention reads and writes the cache is passed in ``AttentionMetadata``, never kept in a
 global.
 
@@ -24,7 +25,7 @@ from torch import nn
 
 from .config import ModelConfig
 
-__all__ = ["AttentionMetadata", "PrefillChunk", "Transformer", "build_rope_cache"]
+__all__ = ["AttentionMetadata", "DecodeGroup", "PrefillChunk", "Transformer", "build_rope_cache"]
 
 
 @dataclass(slots=True)
@@ -37,11 +38,18 @@ class PrefillChunk:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    start: int  # first flat token index (one token per row)
+    end: int
+    block_tables: torch.Tensor  # [B, max_blocks] int64, padded with block 0
+    context_len: int  # one row: its exact context length (then mask is None); else max_blocks * block_size
+    mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] bool, None for a single row
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: where each token's K/V is written
-    num_decode: int = 0  # the first num_decode tokens are decode rows (one token per sequence)
-    decode_block_tables: torch.Tensor | None = None  # [Bd, max_blocks] int64 (padded with block 0)
-    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, max_blocks * block_size] bool
+    decodes: list[DecodeGroup] = field(default_factory=list)  # decode rows come first in the flat batch
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -135,18 +143,17 @@ class Attention(nn.Module):
         flat_v.index_copy_(0, meta.slot_mapping, v.to(flat_v.dtype))
 
         out = q.new_empty(T, H, D)
-        Bd = meta.num_decode
-        if Bd:
-            assert meta.decode_block_tables is not None and meta.decode_mask is not None
-            L = meta.decode_block_tables.shape[1] * k_cache.shape[1]
-            blocks = meta.decode_block_tables.view(-1)  # index_select copies whole blocks (fast path)
-            kd = torch.index_select(k_cache, 0, blocks).view(Bd, L, KH, D).transpose(1, 2)  # [Bd, KH, L, D]
-            vd = torch.index_select(v_cache, 0, blocks).view(Bd, L, KH, D).transpose(1, 2)
-            qd = q[:Bd].view(Bd, 1, H, D).transpose(1, 2)  # [Bd, H, 1, D]
+        for group in meta.decodes:
+            B = group.end - group.start
+            C = group.context_len
+            blocks = group.block_tables.view(-1)  # index_select copies whole blocks (fast path)
+            kd = torch.index_select(k_cache, 0, blocks).view(B, -1, KH, D)[:, :C].transpose(1, 2)  # [B, KH, C, D]
+            vd = torch.index_select(v_cache, 0, blocks).view(B, -1, KH, D)[:, :C].transpose(1, 2)
+            qd = q[group.start : group.end].view(B, 1, H, D).transpose(1, 2)  # [B, H, 1, D]
             od = F.scaled_dot_product_attention(
-                qd, kd.to(qd.dtype), vd.to(qd.dtype), attn_mask=meta.decode_mask, enable_gqa=True
+                qd, kd.to(qd.dtype), vd.to(qd.dtype), attn_mask=group.mask, enable_gqa=True
             )
-            out[:Bd] = od.transpose(1, 2).reshape(Bd, H, D)
+            out[group.start : group.end] = od.transpose(1, 2).reshape(B, H, D)
         for chunk in meta.prefills:
             S = chunk.end - chunk.start
             C = chunk.context_len
