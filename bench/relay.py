@@ -1,0 +1,734 @@
+"""Relay benchmark: the direct path against the path through the gateway, in one run.
+
+    .venv/bin/python bench/relay.py [--quick] [--reps 3] [--no-h2] [--json FILE]
+    .venv/bin/python bench/relay.py --profile [--profile-seconds 12]      # + py-spy
+
+Processes (each started here, stopped here by PID; traffic only on 127.0.0.1):
+
+- upstream ``bench/fast_upstream.py`` (raw asyncio + httptools, zero delays, 64-token
+  answers), pinned with ``taskset -c 1``;
+- for the HTTP/2 variant, ``bench/fast_upstream.py --hypercorn`` (``tests.fakes`` under
+  hypercorn: h1 and h2c on one port), also ``taskset -c 1``;
+- the gateway, ``taskset -c 0 python -m gateway serve --config <tmp yaml>``, once with
+  ``protocol: http1`` towards the fast upstream and once with ``protocol: http2`` towards
+  hypercorn (``pool_size: 128, warm_connections: 8``);
+- the load generator is this process, pinned to core 1 (with the upstreams): a raw
+  asyncio (uvloop) + httptools keep-alive HTTP/1.1 client, a few tens of µs per request.
+
+Loads, each on fresh keep-alive connections after a warm-up of 2 requests per connection,
+with a fixed number of requests: non-streaming chat completions at concurrency 1, 16, 64;
+SSE streams (64 content chunks + a finish chunk + ``data: [DONE]`` = 66 events) at
+concurrency 1 and 64. Figures:
+
+- requests/s and p50/p99 end-to-end latency (request written -> response complete);
+- TTFT: request written -> first body byte (the first ``data:`` event) received;
+  inter-token gap: between the arrivals of consecutive events (events that arrive in the
+  same read count as a gap of 0: that is how a client sees them);
+- gateway CPU (user + system, psutil ``cpu_times`` of the gateway process before and
+  after each load) per non-streaming request, and per relayed SSE event (events counted
+  at the client); the gateway's peak RSS (``VmHWM``);
+- added latency: gateway figure minus direct figure (of the medians over repetitions).
+  The direct baseline for the HTTP/2 variant is hypercorn over HTTP/1.1 (this client
+  speaks only HTTP/1.1), so there "added" also contains h2-vs-h1 differences upstream.
+
+Every figure is the median over ``--reps`` repetitions (default 3; the box is noisy).
+``--profile`` afterwards samples the HTTP/1.1 gateway with ``py-spy record --format raw``
+(``pip install py-spy``) under the non-streaming c=16 load and the SSE c=64 load and prints
+the functions with the most self time (share of the gateway's non-idle samples).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import gc
+import http.client
+import itertools
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import httptools
+import psutil
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PY = sys.executable
+MODEL = "bench-model"
+TOKENS = 64
+EVENTS = TOKENS + 2  # content chunks, the finish chunk, [DONE]
+GATEWAY_CORE = 0
+OTHER_CORE = 1
+
+_MESSAGES = [{"role": "user", "content": "Say something short."}]
+
+
+def _request(stream: bool, delay: float = 0.0) -> bytes:
+    payload = {"model": MODEL, "messages": _MESSAGES, "max_tokens": TOKENS, "stream": stream}
+    if delay:
+        payload["fake"] = {"delay": delay}  # the upstream's time between tokens (tests.fakes' script field)
+    body = json.dumps(payload).encode()
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+        b"accept: " + (b"text/event-stream" if stream else b"application/json") + b"\r\n"
+        b"content-length: " + str(len(body)).encode() + b"\r\n\r\n"
+    )
+    return head + body
+
+
+# (name, concurrency, requests) -- full run; --quick divides the counts
+NONSTREAM = [("c1", 1, 1500), ("c16", 16, 4000), ("c64", 64, 6400)]
+# (name, concurrency, streams, seconds between tokens): zero delay saturates the gateway
+# (closed loop: TTFT at c=64 is then mostly queueing behind 63 other streams' events); the
+# paced load is 64 live streams at 100 tokens/s each, started staggered, which is what a
+# gateway in front of inference servers sees.
+STREAM = [("c1", 1, 150, 0.0), ("c64", 64, 640, 0.0), ("c64-paced", 64, 192, 0.01)]
+PACED_STREAM_S = TOKENS * 0.01
+REQUESTS = {(s, d): _request(s, d) for s, d in [(False, 0.0), (True, 0.0)] + [(True, x[3]) for x in STREAM]}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# -- processes -------------------------------------------------------------------------
+
+
+class Child:
+    """A process started by this script (and only those are ever signalled)."""
+
+    def __init__(self, name: str, argv: list[str], log_dir: str, cwd: str = ROOT) -> None:
+        self.name = name
+        self.log_path = os.path.join(log_dir, f"{name}.log")
+        self.log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            argv, cwd=cwd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        )
+        self.ps = psutil.Process(self.proc.pid)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def wait_http(self, port: int, path: str, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited:\n{open(self.log_path).read()}")
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
+                conn.request("GET", path)
+                if conn.getresponse().status == 200:
+                    conn.close()
+                    return
+                conn.close()
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"{self.name} did not become ready on :{port}{path}")
+
+    def cpu(self) -> float:
+        t = self.ps.cpu_times()
+        return t.user + t.system
+
+    def peak_rss(self) -> int:
+        with open(f"/proc/{self.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+        return self.ps.memory_info().rss
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def pinned(core: int, argv: list[str]) -> list[str]:
+    return ["taskset", "-c", str(core), *argv] if shutil.which("taskset") else argv
+
+
+# -- the load generator ----------------------------------------------------------------
+
+
+class ClientConn(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection, one request at a time, timestamps in callbacks."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.parser = httptools.HttpResponseParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.waiter: asyncio.Future | None = None
+        self.now = 0.0
+        self.stream = False
+        self.delay = 0.0
+        self.gaps: list[float] | None = None
+        self.reset()
+
+    def reset(self) -> None:
+        self.t0 = 0.0
+        self.first = 0.0
+        self.last_event = 0.0
+        self.done = 0.0
+        self.events = 0
+        self.nbytes = 0
+        self.status = 0
+        self.half_boundary = False
+        self.tail = b""
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def connection_lost(self, exc) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(ConnectionError("connection lost"))
+
+    def data_received(self, data: bytes) -> None:
+        self.now = time.perf_counter()
+        self.parser.feed_data(data)
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+
+    def on_body(self, body: bytes) -> None:
+        now = self.now
+        self.nbytes += len(body)
+        if not self.first:
+            self.first = now
+        if self.stream:
+            n = body.count(b"\n\n")
+            if self.half_boundary and body[:1] == b"\n":
+                n += 1
+            self.half_boundary = body.endswith(b"\n") and not body.endswith(b"\n\n")
+            if n:
+                gaps = self.gaps
+                last = self.last_event
+                for _ in range(n):
+                    if last:
+                        gaps.append(now - last)  # type: ignore[union-attr]
+                    last = now
+                self.last_event = now
+                self.events += n
+            self.tail = (self.tail + body)[-200:]
+
+    def on_message_complete(self) -> None:
+        self.done = self.now
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def request(self, stream: bool, gaps: list[float] | None) -> None:
+        self.reset()
+        self.stream = stream
+        self.gaps = gaps
+        self.waiter = self.loop.create_future()
+        self.t0 = time.perf_counter()
+        self.transport.write(REQUESTS[stream, self.delay])  # type: ignore[union-attr]
+        await self.waiter
+
+    def ok(self) -> bool:
+        if self.status != 200 or not self.nbytes:
+            return False
+        if self.stream:
+            return self.events == EVENTS and self.tail.endswith(b"data: [DONE]\n\n")
+        return True
+
+
+async def connect(port: int) -> ClientConn:
+    loop = asyncio.get_running_loop()
+    _, conn = await loop.create_connection(ClientConn, "127.0.0.1", port)
+    return conn
+
+
+@dataclass
+class PhaseResult:
+    requests: int = 0
+    errors: int = 0
+    wall: float = 0.0
+    e2e: list[float] = field(default_factory=list)
+    ttft: list[float] = field(default_factory=list)
+    gaps: list[float] = field(default_factory=list)
+    events: int = 0
+    cpu: float | None = None  # gateway CPU seconds during the phase
+    error_kinds: collections.Counter = field(default_factory=collections.Counter)
+
+
+async def run_phase(
+    port: int, concurrency: int, total: int, stream: bool, gateway: Child | None, delay: float = 0.0
+) -> PhaseResult:
+    conns = await asyncio.gather(*(connect(port) for _ in range(concurrency)))
+    for c in conns:
+        c.delay = delay
+    try:
+        for _ in range(2):  # warm-up: connections, upstream pool, caches
+            await asyncio.gather(*(c.request(stream, []) for c in conns), return_exceptions=True)
+        for i, c in enumerate(conns):
+            if c.transport is None or c.transport.is_closing():
+                conns[i] = await connect(port)
+                conns[i].delay = delay
+        result = PhaseResult()
+        counter = itertools.count()
+        gaps = result.gaps
+
+        async def worker(index: int, conn: ClientConn) -> None:
+            if delay:  # stagger the paced streams over one stream's duration
+                await asyncio.sleep(index * TOKENS * delay / concurrency)
+            while next(counter) < total:
+                try:
+                    await conn.request(stream, gaps)
+                except (ConnectionError, RuntimeError) as exc:  # the server dropped the connection
+                    result.requests += 1
+                    result.errors += 1
+                    result.error_kinds[f"connection lost ({exc.__class__.__name__})"] += 1
+                    if conn.transport is not None:
+                        conn.transport.close()
+                    conn = await connect(port)
+                    conn.delay = delay
+                    conns.append(conn)
+                    continue
+                result.requests += 1
+                if not conn.ok():
+                    result.errors += 1
+                    result.error_kinds[f"status {conn.status}, {conn.events} events, ends {conn.tail[-160:]!r}"] += 1
+                    continue
+                if stream:
+                    result.ttft.append(conn.first - conn.t0)
+                    result.events += conn.events
+                result.e2e.append(conn.done - conn.t0)
+
+        gc.collect()
+        gc.disable()
+        cpu0 = gateway.cpu() if gateway else 0.0
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(i, c) for i, c in enumerate(list(conns))))
+        result.wall = time.perf_counter() - start
+        if gateway:
+            result.cpu = gateway.cpu() - cpu0
+        gc.enable()
+        return result
+    finally:
+        for c in conns:
+            if c.transport is not None:
+                c.transport.close()
+        await asyncio.sleep(0.05)
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def summarise(r: PhaseResult, stream: bool) -> dict:
+    s = {
+        "requests": r.requests,
+        "errors": r.errors,
+        "rps": r.requests / r.wall if r.wall else float("nan"),
+        "e2e_p50": pct(r.e2e, 0.5) * 1e3,
+        "e2e_p99": pct(r.e2e, 0.99) * 1e3,
+    }
+    if stream:
+        s.update(
+            ttft_p50=pct(r.ttft, 0.5) * 1e3,
+            ttft_p99=pct(r.ttft, 0.99) * 1e3,
+            gap_p50=pct(r.gaps, 0.5) * 1e3,
+            gap_p99=pct(r.gaps, 0.99) * 1e3,
+            events=r.events,
+        )
+    if r.cpu is not None:
+        if stream:
+            s["cpu_us_per_event"] = r.cpu / r.events * 1e6 if r.events else float("nan")
+            s["cpu_ms_per_stream"] = r.cpu / max(1, r.requests) * 1e3
+        else:
+            ok = r.requests - r.errors  # failed requests cost little: count the successful ones
+            s["cpu_ms_per_req"] = r.cpu / ok * 1e3 if ok else float("nan")
+    return s
+
+
+# -- the run ---------------------------------------------------------------------------
+
+
+@dataclass
+class Target:
+    key: str  # "direct-h1", "gw-h1", "direct-hc", "gw-h2"
+    port: int
+    gateway: Child | None
+
+
+def gateway_config(upstream_port: int, protocol: str, port: int) -> dict:
+    return {
+        "clusters": [
+            {
+                "name": "bench",
+                "models": [MODEL],
+                "endpoints": [
+                    {
+                        "url": f"http://127.0.0.1:{upstream_port}",
+                        "protocol": protocol,
+                        "pool_size": 128,
+                        "warm_connections": 8,
+                    }
+                ],
+            }
+        ],
+        "listen": {"host": "127.0.0.1", "port": port},
+    }
+
+
+def start_processes(tmp: str, with_h2: bool, gateway_root: str) -> tuple[list[Child], dict[str, Target]]:
+    children: list[Child] = []
+    targets: dict[str, Target] = {}
+
+    def child(name: str, core: int, argv: list[str], cwd: str = ROOT) -> Child:
+        c = Child(name, pinned(core, argv), tmp, cwd)
+        children.append(c)
+        return c
+
+    fast_port = free_port()
+    fast = child("fast-upstream", OTHER_CORE, [PY, "bench/fast_upstream.py", "--port", str(fast_port), "--tokens", str(TOKENS), "--model", MODEL])
+    fast.wait_http(fast_port, "/health")
+    targets["direct-h1"] = Target("direct-h1", fast_port, None)
+    gw_specs = [("gw-h1", fast_port, "http1")]
+    if with_h2:
+        hc_port = free_port()
+        hc = child("hypercorn-upstream", OTHER_CORE, [PY, "bench/fast_upstream.py", "--port", str(hc_port), "--tokens", str(TOKENS), "--model", MODEL, "--hypercorn"])
+        hc.wait_http(hc_port, "/health")
+        targets["direct-hc"] = Target("direct-hc", hc_port, None)
+        gw_specs.append(("gw-h2", hc_port, "http2"))
+    for key, upstream_port, protocol in gw_specs:
+        port = free_port()
+        path = os.path.join(tmp, f"{key}.yaml")
+        with open(path, "w") as f:
+            yaml.safe_dump(gateway_config(upstream_port, protocol, port), f)
+        gw = child(key, GATEWAY_CORE, [PY, "-m", "gateway", "serve", "--config", path], cwd=gateway_root)
+        gw.wait_http(port, "/readyz")
+        targets[key] = Target(key, port, gw)
+    return children, targets
+
+
+async def measure(targets: dict[str, Target], reps: int, scale: float) -> dict:
+    """results[target][load] -> list of per-repetition summaries."""
+    results: dict = collections.defaultdict(lambda: collections.defaultdict(list))
+    loads = [("json", name, conc, n, False, 0.0) for name, conc, n in NONSTREAM] + [
+        ("sse", name, conc, n, True, delay) for name, conc, n, delay in STREAM
+    ]
+    for rep in range(reps):
+        for target in targets.values():
+            for kind, name, conc, n, stream, delay in loads:
+                total = max(conc * 2, int(n * scale))
+                if (target.key.endswith("hc") or target.key.endswith("h2")) and not delay:
+                    total = max(conc * 2, total // 2)  # hypercorn is ~10x slower: fewer requests
+                r = await asyncio.wait_for(run_phase(target.port, conc, total, stream, target.gateway, delay), 300)
+                s = summarise(r, stream)
+                results[target.key][f"{kind}-{name}"].append(s)
+                line = f"rep {rep + 1} {target.key:9} {kind}-{name:4} n={s['requests']:5} err={s['errors']} {s['rps']:8.0f}/s"
+                if stream:
+                    line += f" ttft p50 {s['ttft_p50']:.3f} p99 {s['ttft_p99']:.3f} gap p50 {s['gap_p50']:.4f} p99 {s['gap_p99']:.3f} ms"
+                    if "cpu_us_per_event" in s:
+                        line += f" cpu {s['cpu_us_per_event']:.1f} us/event"
+                else:
+                    line += f" e2e p50 {s['e2e_p50']:.3f} p99 {s['e2e_p99']:.3f} ms"
+                    if "cpu_ms_per_req" in s:
+                        line += f" cpu {s['cpu_ms_per_req']:.3f} ms/req"
+                print(line, file=sys.stderr, flush=True)
+                for kind_, count in r.error_kinds.most_common(3):
+                    print(f"    {count} x {kind_}", file=sys.stderr)
+    return results
+
+
+def med(results: dict, target: str, load: str, key: str) -> float:
+    values = [s[key] for s in results.get(target, {}).get(load, []) if key in s and s[key] == s[key]]
+    return statistics.median(values) if values else float("nan")
+
+
+def spread(results: dict, target: str, load: str, key: str) -> str:
+    values = [s[key] for s in results.get(target, {}).get(load, []) if key in s and s[key] == s[key]]
+    return f"{min(values):.3g}–{max(values):.3g}" if values else "-"
+
+
+def f(x: float, digits: int = 2) -> str:
+    return "-" if x != x else f"{x:.{digits}f}"
+
+
+def report(results: dict, peaks: dict[str, int], command: str, reps: int, revision: str) -> str:
+    out = []
+    variants = [("h1", "direct-h1", "gw-h1", "HTTP/1.1 → fast upstream")]
+    if "gw-h2" in results:
+        variants.append(("h2", "direct-hc", "gw-h2", "HTTP/2 (h2c) → hypercorn tests.fakes; direct = hypercorn over h1"))
+    out.append(f"Command: `{command}`  ")
+    out.append(f"Gateway code: {revision}  ")
+    out.append(
+        f"Medians over {reps} repetition(s). Gateway pinned to core {GATEWAY_CORE}; upstream and load generator on core {OTHER_CORE}. "
+        f"Latencies in ms; added = gateway − direct."
+    )
+    out.append("")
+    out.append("**Non-streaming chat completions** (64-token answer)")
+    out.append("")
+    out.append("| hop | conc | direct req/s | gateway req/s | direct p50 / p99 | gateway p50 / p99 | **added p50 / p99** | gateway CPU ms/req |")
+    out.append("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for tag, direct, gw, _ in variants:
+        for name, conc, _n in NONSTREAM:
+            load = f"json-{name}"
+            d50, d99 = med(results, direct, load, "e2e_p50"), med(results, direct, load, "e2e_p99")
+            g50, g99 = med(results, gw, load, "e2e_p50"), med(results, gw, load, "e2e_p99")
+            out.append(
+                f"| {tag} | {conc} | {f(med(results, direct, load, 'rps'), 0)} | {f(med(results, gw, load, 'rps'), 0)} "
+                f"| {f(d50, 3)} / {f(d99, 3)} | {f(g50, 3)} / {f(g99, 3)} | **{f(g50 - d50, 3)} / {f(g99 - d99, 3)}** "
+                f"| {f(med(results, gw, load, 'cpu_ms_per_req'), 3)} |"
+            )
+    out.append("")
+    out.append(f"**SSE streams** ({TOKENS} content chunks + finish + [DONE] = {EVENTS} events per stream)")
+    out.append("")
+    out.append(
+        "| hop | conc | direct TTFT p50 / p99 | gateway TTFT p50 / p99 | **added TTFT p50 / p99** "
+        "| direct gap p50 / p99 | gateway gap p50 / p99 | added gap p50 / p99 | direct / gateway streams/s | gateway CPU µs/event |"
+    )
+    out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for tag, direct, gw, _ in variants:
+        for name, conc, _n, delay in STREAM:
+            load = f"sse-{name}"
+            dt = med(results, direct, load, "ttft_p50"), med(results, direct, load, "ttft_p99")
+            gt = med(results, gw, load, "ttft_p50"), med(results, gw, load, "ttft_p99")
+            dg = med(results, direct, load, "gap_p50"), med(results, direct, load, "gap_p99")
+            gg = med(results, gw, load, "gap_p50"), med(results, gw, load, "gap_p99")
+            label = f"{conc}, {1 / delay:.0f} tok/s" if delay else f"{conc}"
+            out.append(
+                f"| {tag} | {label} | {f(dt[0], 3)} / {f(dt[1], 3)} | {f(gt[0], 3)} / {f(gt[1], 3)} "
+                f"| **{f(gt[0] - dt[0], 3)} / {f(gt[1] - dt[1], 3)}** "
+                f"| {f(dg[0], 4)} / {f(dg[1], 3)} | {f(gg[0], 4)} / {f(gg[1], 3)} | {f(gg[0] - dg[0], 4)} / {f(gg[1] - dg[1], 3)} "
+                f"| {f(med(results, direct, load, 'rps'), 0)} / {f(med(results, gw, load, 'rps'), 0)} "
+                f"| {f(med(results, gw, load, 'cpu_us_per_event'), 1)} |"
+            )
+    out.append("")
+    errors = sum(s["errors"] for loads in results.values() for reps_ in loads.values() for s in reps_)
+    out.append("**Against the targets** (value: median; range over repetitions in brackets)")
+    out.append("")
+    out.append("| target | hop | value | limit | met |")
+    out.append("|---|---|---:|---:|:---:|")
+    for tag, direct, gw, _ in variants:
+        cpu_req = [med(results, gw, f"json-{n}", "cpu_ms_per_req") for n, _, _ in NONSTREAM]
+        cpu_evt = [med(results, gw, f"sse-{x[0]}", "cpu_us_per_event") for x in STREAM]
+        rows = []
+        for load, label in (("sse-c64", "SSE c=64, zero delay (saturated)"), ("sse-c64-paced", "SSE c=64 at 100 tok/s")):
+            added50 = med(results, gw, load, "ttft_p50") - med(results, direct, load, "ttft_p50")
+            added99 = med(results, gw, load, "ttft_p99") - med(results, direct, load, "ttft_p99")
+            rows.append((f"added p50 TTFT, {label}", f"{f(added50, 3)} ms", "≤ 1 ms", added50 <= 1.0))
+            rows.append((f"added p99 TTFT, {label}", f"{f(added99, 3)} ms", "≤ 5 ms", added99 <= 5.0))
+        for (n, _, _), v in zip(NONSTREAM, cpu_req):
+            rows.append((f"gateway CPU per request, {n}", f"{f(v, 3)} ms ({spread(results, gw, f'json-{n}', 'cpu_ms_per_req')})", "≤ 0.5 ms", v <= 0.5))
+        for (n, _, _, _), v in zip(STREAM, cpu_evt):
+            rows.append((f"gateway CPU per SSE event, {n}", f"{f(v, 1)} µs ({spread(results, gw, f'sse-{n}', 'cpu_us_per_event')})", "≤ 25 µs", v <= 25))
+        for label, value, limit, ok in rows:
+            out.append(f"| {label} | {tag} | {value} | {limit} | {'yes' if ok else '**no**'} |")
+    out.append("")
+    out.append(
+        "Gateway peak RSS (VmHWM): "
+        + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in peaks.items())
+        + f". Failed requests (bad status or incomplete stream), all runs: {errors}."
+    )
+    return "\n".join(out)
+
+
+# -- profiling -------------------------------------------------------------------------
+
+
+def py_spy() -> str | None:
+    here = os.path.join(os.path.dirname(PY), "py-spy")
+    return here if os.path.exists(here) else shutil.which("py-spy")
+
+
+def profile_summary(raw_path: str, top: int = 18) -> str:
+    """Top functions by self time, as shares of all sampled (non-idle) gateway stacks."""
+    self_time: collections.Counter = collections.Counter()
+    inclusive: collections.Counter = collections.Counter()
+    total = 0
+    with open(raw_path) as fh:
+        for line in fh:
+            line = line.rstrip("\n")
+            if not line:
+                continue
+            stack, _, count = line.rpartition(" ")
+            n = int(count)
+            frames = stack.split(";")
+            # drop the thread name frame py-spy puts first (e.g. "process 123:..." / "thread (0x..)")
+            frames = [fr for fr in frames if not fr.startswith(("process ", "thread "))]
+            if not frames:
+                continue
+            total += n
+            self_time[_short(frames[-1])] += n
+            for fr in set(_short(fr) for fr in frames):
+                inclusive[fr] += n
+    if not total:
+        return "(no samples)"
+    lines = [f"{total} samples", "", "| self % | incl % | function |", "|---:|---:|---|"]
+    for fn, n in self_time.most_common(top):
+        lines.append(f"| {100 * n / total:.1f} | {100 * inclusive[fn] / total:.1f} | `{fn}` |")
+    lines += ["", "Top inclusive (gateway code and its libraries):", "", "| incl % | function |", "|---:|---|"]
+    shown = 0
+    for fn, n in inclusive.most_common():
+        if any(k in fn for k in ("gateway/", "starlette", "uvicorn", "httptools", "prometheus", "orjson", "h2/")):
+            lines.append(f"| {100 * n / total:.1f} | `{fn}` |")
+            shown += 1
+            if shown >= top:
+                break
+    return "\n".join(lines)
+
+
+def _short(frame: str) -> str:
+    # "name (/path/to/site-packages/pkg/mod.py:123)" -> "name (pkg/mod.py)"  (line numbers merged)
+    name, _, where = frame.partition(" (")
+    where = where.rstrip(")")
+    path = where.rsplit(":", 1)[0]
+    for marker in ("site-packages/", "/work/main/", ROOT + "/", "lib/python3"):
+        if marker in path:
+            path = path.split(marker, 1)[1]
+            break
+    return f"{name} ({path})" if path else name
+
+
+async def profile(targets: dict[str, Target], seconds: float, tmp: str) -> str:
+    spy = py_spy()
+    if spy is None:
+        return "py-spy not found: `.venv/bin/pip install py-spy`"
+    gw = targets["gw-h1"]
+    out = []
+    for label, conc, stream, rate in (("non-streaming c=16", 16, False, 2500), ("SSE c=64", 64, True, 50)):
+        raw = os.path.join(tmp, f"profile-{conc}.txt")
+        argv = pinned(OTHER_CORE, [spy, "record", "--pid", str(gw.gateway.pid), "--format", "raw", "--rate", "250",
+                                   "--nonblocking", "--duration", str(int(seconds)), "--output", raw])
+        spy_proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        await asyncio.sleep(1.0)
+        deadline = time.monotonic() + seconds - 1.5
+        cpu0 = gw.gateway.cpu()
+        done = 0
+        t0 = time.perf_counter()
+        while time.monotonic() < deadline:
+            r = await run_phase(gw.port, conc, conc * 20 if stream else 2000, stream, None)
+            done += r.requests
+        wall = time.perf_counter() - t0
+        cpu = gw.gateway.cpu() - cpu0
+        try:
+            _, err = await asyncio.get_running_loop().run_in_executor(None, lambda: spy_proc.communicate(timeout=seconds + 30))
+        except subprocess.TimeoutExpired:
+            spy_proc.kill()
+            err = b"timed out"
+        out.append(f"### gateway profile, {label} ({done} requests in {wall:.1f} s, gateway CPU {100 * cpu / wall:.0f}% of a core)")
+        out.append("")
+        if spy_proc.returncode != 0 or not os.path.exists(raw):
+            out.append(f"py-spy failed: {err.decode(errors='replace')[-500:]}")
+        else:
+            out.append(profile_summary(raw))
+            keep = os.path.join(tempfile.gettempdir(), f"edgegw-relay-profile-{'sse' if stream else 'json'}-c{conc}.txt")
+            shutil.copy(raw, keep)
+            out.append("")
+            out.append(f"(raw stacks: {keep})")
+        out.append("")
+    return "\n".join(out)
+
+
+# -- main ------------------------------------------------------------------------------
+
+
+def _revision(root: str) -> str:
+    try:
+        rev = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
+        if rev.returncode != 0:
+            return "(not a git checkout)"
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--", "gateway"], capture_output=True, text=True, timeout=10)
+        return rev.stdout.strip() + (" + uncommitted changes in gateway/" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="edgegw relay benchmark: direct vs through the gateway.")
+    parser.add_argument("--quick", action="store_true", help="a tenth of the requests, one repetition (smoke test)")
+    parser.add_argument("--reps", type=int, default=None, help="repetitions (default 3, --quick 1)")
+    parser.add_argument("--no-h2", action="store_true", help="skip the HTTP/2 (hypercorn h2c) variant")
+    parser.add_argument("--json", metavar="FILE", help="also write the per-repetition figures as JSON")
+    parser.add_argument("--profile", action="store_true", help="then py-spy the h1 gateway under json c=16 and SSE c=64")
+    parser.add_argument("--profile-seconds", type=float, default=12)
+    parser.add_argument("--profile-only", action="store_true", help="skip the measurements, only profile")
+    parser.add_argument(
+        "--gateway-root",
+        metavar="DIR",
+        default=ROOT,
+        help="run the gateway from this checkout (e.g. `git archive HEAD | tar -x -C DIR`); default: this repository",
+    )
+    args = parser.parse_args()
+    gateway_root = os.path.abspath(args.gateway_root)
+    reps = args.reps or (1 if args.quick else 3)
+    scale = 0.1 if args.quick else 1.0
+    command = " ".join([".venv/bin/python", "bench/relay.py", *sys.argv[1:]])
+    revision = f"{gateway_root} @ {_revision(gateway_root)}"
+    print(f"gateway code: {revision}", file=sys.stderr)
+
+    if (os.cpu_count() or 1) < 2:
+        print("warning: fewer than 2 cores, no pinning", file=sys.stderr)
+    else:
+        os.sched_setaffinity(0, {OTHER_CORE})
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:
+        runner = asyncio.run
+
+    with_h2 = not args.no_h2 and not args.profile_only
+    if with_h2:
+        try:
+            import hypercorn  # noqa: F401
+        except ImportError:
+            print("hypercorn not installed: skipping the HTTP/2 variant", file=sys.stderr)
+            with_h2 = False
+    tmp = tempfile.mkdtemp(prefix="edgegw-relay-")
+    children: list[Child] = []
+    try:
+        children, targets = start_processes(tmp, with_h2, gateway_root)
+        if not args.profile_only:
+            results = runner(measure(targets, reps, scale))
+            peaks = {t.key: t.gateway.peak_rss() for t in targets.values() if t.gateway}
+            print(report(results, peaks, command, reps, revision))
+            if args.json:
+                with open(args.json, "w") as fh:
+                    json.dump({"command": command, "reps": reps, "results": results, "peak_rss": peaks}, fh, indent=1)
+        if args.profile or args.profile_only:
+            print()
+            print(runner(profile(targets, args.profile_seconds, tmp)))
+    except BaseException:
+        for c in children:
+            c.log.flush()
+            with open(c.log_path, errors="replace") as fh:
+                tail = fh.read()[-3000:]
+            if tail.strip():
+                print(f"--- {c.name} log (tail) ---\n{tail}", file=sys.stderr)
+        raise
+    finally:
+        for c in reversed(children):
+            c.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
