@@ -266,6 +266,21 @@ class HealthState:
             return h
         return None
 
+    def available_records(self, endpoints: Iterable[str], now: float) -> list[EndpointHealth]:
+        """``available_record`` over several endpoints, in order, the unavailable left out."""
+        out = []
+        records = self._endpoints
+        closed = BreakerState.CLOSED
+        for endpoint in endpoints:
+            h = records.get(endpoint)
+            if h is not None and h.breaker.state is closed:
+                out.append(h)
+            else:
+                h = self.available_record(endpoint, now)
+                if h is not None:
+                    out.append(h)
+        return out
+
     def error_rate(self, endpoint: str, now: float) -> float:
         h = self.endpoint(endpoint)
         self._trim(h, now)

@@ -41,7 +41,7 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .balancer import endpoint_cost, pick_available, predicted_ttft_s, rendezvous_weight
+from .balancer import pick_available, predicted_ttft_s, rendezvous_weight
 from .config import AUTO, EDGE, RoutingConfig
 from .errors import NoRoute
 from .features import request_from_openai
@@ -81,25 +81,29 @@ def _central_targets(
     pol = cfg.policy
     dist = _distances(table, request, home)
     penalty = cfg.balancer.error_penalty
-    scored: list[tuple[float, Cluster, float, list[EndpointHealth], dict[str, float]]] = []
+    scored: list[tuple[float, Cluster, float, list[EndpointHealth], dict[str, float], EndpointHealth]] = []
     ejected: list[str] = []
+    available = health.available_records
     for cluster in table.clusters_for(model):
         km = dist.get(cluster.region)
         prior_s = ((0.0 if km is None else km / pol.km_per_rtt_ms) + pol.prior_ttft_ms) / 1e3
-        avail = []
+        avail = available(cluster.endpoints, now)
+        if not avail:
+            ejected.append(cluster.name)
+            continue
         costs = {}
         best = math.inf
-        for ep in cluster.endpoints:
-            h = health.available_record(ep, now)
-            if h is not None:
-                avail.append(h)
-                c = costs[ep] = endpoint_cost(h, prior_s, penalty)
-                if c < best:
-                    best = c
-        if avail:
-            scored.append((best, cluster, prior_s, avail, costs))
-        else:
-            ejected.append(cluster.name)
+        best_h = avail[0]
+        for h in avail:
+            # endpoint_cost(h, prior_s, penalty), inlined (the per-request hot loop)
+            t = h.ttft_s
+            if t is None:
+                t = prior_s if h.rtt_s is None else h.rtt_s + prior_s
+            n = len(h.outcomes)
+            c = costs[h.endpoint] = t * (h.inflight + 1) * (1.0 + penalty * (h.window_failures / n if n else 0.0))
+            if c < best:
+                best, best_h = c, h
+        scored.append((best, cluster, prior_s, avail, costs, best_h))
     if ejected:
         reasons.append(f"skipped {','.join(ejected)}: all endpoints ejected")
     if not scored:
@@ -116,7 +120,7 @@ def _central_targets(
                 first = max(near, key=lambda t: rendezvous_weight(key, t[1].name))
                 scored.remove(first)
                 scored.insert(0, first)
-    _, cluster, prior_s, avail, costs = scored[0]
+    _, cluster, prior_s, avail, costs, _ = scored[0]
     chosen = pick_available(
         avail,
         config=cfg.balancer,
@@ -146,10 +150,9 @@ def _central_targets(
     others = chosen.others
     if others:  # one more replica of the same cluster first (cheap), then other regions
         targets.append(target(cluster, by_ep[others[0]], prior_s))
-    for _, other, other_prior, other_avail, other_costs in scored[1:]:
+    for _, other, other_prior, _, _, best_h in scored[1:]:
         if len(targets) >= limit:
             break
-        best_h = min(other_avail, key=lambda h: other_costs[h.endpoint])
         targets.append(target(other, best_h, other_prior))
     for ep in others[1:]:
         if len(targets) >= limit:
