@@ -137,7 +137,9 @@ async def engine_concurrent(engine: Engine, prompts: list[list[int]], new_tokens
     runs = await asyncio.gather(*(one_stream(engine, p, new_tokens) for p in prompts))
     elapsed = time.perf_counter() - t
     return {
+        "prompt_tokens_mean": statistics.mean(len(p) for p in prompts),
         "aggregate_tok_s": sum(r["tokens"] for r in runs) / elapsed,
+        "decode_phase_tok_s": sum(r["decode_tok_s"] for r in runs),  # all streams decoding at once
         "ttft_ms_p50": statistics.median(r["ttft"] for r in runs) * 1000,
         "per_stream_decode_tok_s_p50": statistics.median(r["decode_tok_s"] for r in runs),
     }
@@ -156,32 +158,17 @@ async def prefix_ttft(engine: Engine, system: str, repeats: int) -> float:
 
 def mixed_prompts(tok, n: int) -> list[list[int]]:
     base = tok.encode(" ".join([QUESTION] * 40))
-    lengths = [16 + (i * 397) % 480 for i in range(n)]  # 16 .. ~500 tokens, spread
+    lengths = [32 + (i * 97) % 257 for i in range(n)]  # 32 .. 288 tokens, spread (mean ~160)
     return [base[i : i + length] for i, length in enumerate(lengths)]
 
 
-async def bench_engine(path: str | None, dtype: str, device: str, args) -> dict:
-    engine = Engine(EngineConfig(model=path, dtype=dtype, device=device, num_kv_blocks=1024, max_num_seqs=16))
-    await engine.start()
-    try:
-        tok = engine.tokenizer
-        prompt = tok.encode_chat([{"role": "user", "content": QUESTION}])
-        single = await engine_single(engine, prompt, args.new_tokens, args.repeats)
-        concurrent = await engine_concurrent(engine, mixed_prompts(tok, 16), args.new_tokens)
-        return {
-            "dtype": engine.runner.dtype_name,
-            "device": str(engine.device),
-            "weight_bytes_per_token": weight_bytes_per_token(engine),
-            "prompt_tokens": len(prompt),
-            **single,
-            **concurrent,
-            "aggregate_over_single": concurrent["aggregate_tok_s"] / single["tok_s"],
-            "stats": engine.stats().as_dict(),
-        }
-    finally:
-        await engine.close()
-        del engine
-        gc.collect()
+def make_engine(path: str | None, dtype: str, device: str) -> Engine:
+    return Engine(EngineConfig(model=path, dtype=dtype, device=device, num_kv_blocks=1024, max_num_seqs=16))
+
+
+async def bench_concurrent(engine: Engine, args) -> dict:
+    concurrent = await engine_concurrent(engine, mixed_prompts(engine.tokenizer, 16), args.new_tokens)
+    return {"dtype": engine.runner.dtype_name, "device": str(engine.device), **concurrent}
 
 
 async def bench_prefix(path: str | None, args) -> dict:
@@ -211,34 +198,68 @@ async def main_async(args) -> dict:
     results: dict = {"torch": torch.__version__, "threads": torch.get_num_threads(), "new_tokens": args.new_tokens}
     results["read_bandwidth_gbs"] = read_bandwidth_gbs()
     rss0 = rss_mib()
-    engines = {}
-    for dtype in ("float32", "bf16"):
-        engines[dtype] = await bench_engine(args.model, dtype, "cpu", args)
-        print(json.dumps({dtype: {k: v for k, v in engines[dtype].items() if k != "stats"}}), flush=True)
-    results["engine"] = engines
-    results["peak_rss_mib_engines"] = peak_rss_mib()
-    results["rss_mib_before_engines"] = rss0
-    results["prefix"] = await bench_prefix(args.model, args)
-    print(json.dumps({"prefix": results["prefix"]}), flush=True)
-
+    engines = {dtype: make_engine(args.model, dtype, "cpu") for dtype in ("float32", "bf16")}
+    results["rss_mib_two_engines_loaded"] = rss_mib() - rss0
     model, tok = build_reference(args.model or EngineConfig().model_path)
     prompt = tok.encode_chat([{"role": "user", "content": QUESTION}])
-    hf_tok_s(model, prompt, 8)  # warm-up
-    results["transformers_tok_s"] = statistics.median(hf_tok_s(model, prompt, args.new_tokens) for _ in range(args.repeats))
+    results["prompt_tokens"] = len(prompt)
+    for engine in engines.values():
+        await engine.start()
+        await one_stream(engine, prompt, 8)  # warm-up
+    hf_tok_s(model, prompt, 8)
+
+    # single stream, interleaved so that the three see the same machine load
+    hf_runs: list[float] = []
+    runs: dict[str, list[dict]] = {d: [] for d in engines}
+    for _ in range(args.repeats):
+        hf_runs.append(hf_tok_s(model, prompt, args.new_tokens))
+        for dtype, engine in engines.items():
+            runs[dtype].append(await one_stream(engine, prompt, args.new_tokens))
     del model
     gc.collect()
-    for dtype, r in engines.items():
+    results["transformers_tok_s"] = statistics.median(hf_runs)
+    results["engine"] = {}
+    for dtype, engine in engines.items():
+        r = {
+            "dtype": engine.runner.dtype_name,
+            "tok_s": statistics.median(x["tokens"] / x["elapsed"] for x in runs[dtype]),
+            "decode_tok_s": statistics.median(x["decode_tok_s"] for x in runs[dtype]),
+            "weight_bytes_per_token": weight_bytes_per_token(engine),
+        }
         r["vs_transformers"] = r["tok_s"] / results["transformers_tok_s"]
-        bound = results["read_bandwidth_gbs"] * 1e9 / r["weight_bytes_per_token"]
-        r["bandwidth_bound_tok_s"] = bound
-        r["fraction_of_bound"] = r["decode_tok_s"] / bound
+        r["bandwidth_bound_tok_s"] = results["read_bandwidth_gbs"] * 1e9 / r["weight_bytes_per_token"]
+        r["fraction_of_bound"] = r["decode_tok_s"] / r["bandwidth_bound_tok_s"]
+        results["engine"][dtype] = r
+        print(json.dumps({dtype: r}), flush=True)
+
+    # 16 concurrent streams of mixed prompt lengths
+    for dtype, engine in engines.items():
+        c = await bench_concurrent(engine, args)
+        r = results["engine"][dtype]
+        r.update(c)
+        r["aggregate_over_single"] = c["aggregate_tok_s"] / r["tok_s"]
+        print(json.dumps({dtype: c}), flush=True)
+        await engine.close()
+    del engines, engine
+    gc.collect()
+    results["peak_rss_mib_engines"] = peak_rss_mib()
+
+    results["prefix"] = await bench_prefix(args.model, args)
+    print(json.dumps({"prefix": results["prefix"]}), flush=True)
     results["peak_rss_mib"] = peak_rss_mib()
 
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-        results["cuda"] = await bench_engine(args.model, "bf16", "cuda", args)
-        results["cuda"]["peak_gpu_mib"] = torch.cuda.max_memory_allocated() / 2**20
-        results["cuda"]["gpu"] = torch.cuda.get_device_name()
+        engine = make_engine(args.model, "bf16", "cuda")
+        await engine.start()
+        try:
+            cuda = await engine_single(engine, prompt, args.new_tokens, args.repeats)
+            cuda.update(await bench_concurrent(engine, args))
+        finally:
+            await engine.close()
+        cuda["peak_gpu_mib"] = torch.cuda.max_memory_allocated() / 2**20
+        cuda["gpu"] = torch.cuda.get_device_name()
+        results["cuda"] = cuda
     return results
 
 
@@ -250,8 +271,6 @@ def main() -> None:
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args()
     results = asyncio.run(main_async(args))
-    for r in results["engine"].values():
-        r.pop("stats", None)
     text = json.dumps(results, indent=2)
     print(text)
     if args.json:
@@ -271,7 +290,16 @@ def main() -> None:
         f"\nTTFT, {pf['system_prompt_tokens']}-token system prompt: {pf['ttft_ms_uncached']:.0f} ms without prefix caching, "
         f"{pf['ttft_ms_cached']:.0f} ms with ({pf['speedup']:.1f}x lower)"
     )
-    print(f"peak RSS {results['peak_rss_mib']:.0f} MiB (engines only: {results['peak_rss_mib_engines']:.0f} MiB)")
+    print(
+        f"RSS of both CPU engines after loading (weights + 2 x {1024 * 16}-token KV pools): "
+        f"{results['rss_mib_two_engines_loaded']:.0f} MiB; peak RSS of the run {results['peak_rss_mib']:.0f} MiB"
+    )
+    if "cuda" in results:
+        c = results["cuda"]
+        print(
+            f"CUDA ({c['gpu']}, bf16): single stream {c['tok_s']:.1f} tok/s, 16 streams {c['aggregate_tok_s']:.1f} tok/s, "
+            f"peak GPU memory {c['peak_gpu_mib']:.0f} MiB"
+        )
 
 
 if __name__ == "__main__":

@@ -54,7 +54,8 @@ class AttentionMetadata:
 
 
 def build_rope_cache(config: ModelConfig, max_len: int, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
-    """cos/sin table: [max_len, 2, head_dim] float32 (HF ``rotate_half`` layout)."""
+    """cos/sin table: [max_len, 2, head_dim] float32 (HF ``rotate_half`` layout); the sin half
+    that multiplies the negated half of ``rotate_half`` carries the sign (see ``apply_rope``)."""
     dim = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = config.rope_scaling or {}
@@ -73,14 +74,15 @@ def build_rope_cache(config: ModelConfig, max_len: int, rope_freqs: torch.Tensor
     t = torch.arange(max_len, dtype=torch.int64).float()
     freqs = torch.outer(t, inv_freq)  # [max_len, dim/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [max_len, dim]
-    return torch.stack((emb.cos(), emb.sin()), dim=1)
+    sin = emb.sin()
+    sin[:, : dim // 2] = -sin[:, : dim // 2]
+    return torch.stack((emb.cos(), sin), dim=1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, heads, D]; cos, sin: [T, 1, D]
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, heads, D]; cos, signed_sin: [T, 1, D]
+    # x * cos + rotate_half(x) * sin, with rotate_half(x) * sin == roll(x, D/2) * signed_sin
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin)
 
 
 class RMSNorm(nn.Module):
@@ -142,18 +144,11 @@ class Attention(nn.Module):
         flat_k.index_copy_(0, meta.slot_mapping, k.to(flat_k.dtype))
         flat_v.index_copy_(0, meta.slot_mapping, v.to(flat_v.dtype))
 
+        if len(meta.decodes) == 1 and not meta.prefills:  # the common pure-decode step: no scratch copy
+            return self.wo(self._decode_attention(q, k_cache, v_cache, meta.decodes[0]).reshape(T, H * D))
         out = q.new_empty(T, H, D)
         for group in meta.decodes:
-            B = group.end - group.start
-            C = group.context_len
-            blocks = group.block_tables.view(-1)  # index_select copies whole blocks (fast path)
-            kd = torch.index_select(k_cache, 0, blocks).view(B, -1, KH, D)[:, :C].transpose(1, 2)  # [B, KH, C, D]
-            vd = torch.index_select(v_cache, 0, blocks).view(B, -1, KH, D)[:, :C].transpose(1, 2)
-            qd = q[group.start : group.end].view(B, 1, H, D).transpose(1, 2)  # [B, H, 1, D]
-            od = F.scaled_dot_product_attention(
-                qd, kd.to(qd.dtype), vd.to(qd.dtype), attn_mask=group.mask, enable_gqa=True
-            )
-            out[group.start : group.end] = od.transpose(1, 2).reshape(B, H, D)
+            out[group.start : group.end] = self._decode_attention(q, k_cache, v_cache, group)
         for chunk in meta.prefills:
             S = chunk.end - chunk.start
             C = chunk.context_len
@@ -171,6 +166,18 @@ class Attention(nn.Module):
             )
             out[chunk.start : chunk.end] = op.squeeze(0).transpose(0, 1)
         return self.wo(out.view(T, H * D))
+
+    def _decode_attention(self, q, k_cache, v_cache, group: DecodeGroup) -> torch.Tensor:
+        """Attention of one token per row over its paged context -> [B, H, D]."""
+        H, KH, D = self.num_heads, self.num_kv_heads, self.head_dim
+        B = group.end - group.start
+        C = group.context_len
+        blocks = group.block_tables.view(-1)  # index_select copies whole blocks (fast path)
+        kd = torch.index_select(k_cache, 0, blocks).view(B, -1, KH, D)[:, :C].transpose(1, 2)  # [B, KH, C, D]
+        vd = torch.index_select(v_cache, 0, blocks).view(B, -1, KH, D)[:, :C].transpose(1, 2)
+        qd = q[group.start : group.end].view(B, 1, H, D).transpose(1, 2)  # [B, H, 1, D]
+        od = F.scaled_dot_product_attention(qd, kd.to(qd.dtype), vd.to(qd.dtype), attn_mask=group.mask, enable_gqa=True)
+        return od.transpose(1, 2).reshape(B, H, D)
 
 
 class FeedForward(nn.Module):
