@@ -45,9 +45,10 @@ class EngineConfig:
     # KV blocks in the pool; None = sized by kv_cache_memory_fraction (capped, see below)
     num_kv_blocks: int | None = None
     # fraction of free device (or host) memory given to the KV pool when num_kv_blocks is None
-    kv_cache_memory_fraction: float = 0.2
-    # upper bound on the pool when sized automatically, in tokens (0 = no bound)
-    max_kv_cache_tokens: int = 131072
+    kv_cache_memory_fraction: float = 0.1
+    # upper bound on the pool when sized automatically, in tokens (0 = no bound); 32768 tokens
+    # of SmolLM2 are 1.5 GB in float32 -- raise it on a GPU node
+    max_kv_cache_tokens: int = 32768
     # context window; None = the model's own, at most 8192
     max_model_len: int | None = None
     # sequences in one batch
