@@ -236,12 +236,14 @@ class FakeUpstream:
         protocol: str = "http1",
         models: list[str] | None = None,
         tls: tuple[str, str] | None = None,
+        max_requests: int | None = None,
         **defaults: Any,
     ) -> None:
         self.protocol = protocol
         self.app = FakeApp(models or ["fake-model"], defaults)
         self.port = free_port()
         self.tls = tls  # (certfile, keyfile): serve https (ALPN h2 / http/1.1)
+        self.max_requests = max_requests  # HTTP/2: GOAWAY after this many requests on a connection
         self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -290,6 +292,8 @@ class FakeUpstream:
         config.keep_alive_timeout = 1
         if self.tls:
             config.certfile, config.keyfile = self.tls
+        if self.max_requests:
+            config.keep_alive_max_requests = self.max_requests
         task = asyncio.create_task(serve(self.app, config, shutdown_trigger=self._stop.wait, mode="asgi"))
         for _ in range(500):
             try:

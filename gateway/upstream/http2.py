@@ -39,6 +39,11 @@ logger = logging.getLogger("edgegw.upstream")
 _CONNECTION_WINDOW = 32 * 1024 * 1024
 
 
+class _Refused(Exception):
+    """The server did not process the stream (GOAWAY past it, REFUSED_STREAM, or the
+    connection went before any answer): safe to send again on another connection."""
+
+
 class _Stream:
     __slots__ = ("id", "head", "body", "send_window")
 
@@ -83,7 +88,7 @@ class _H2Connection(asyncio.Protocol):
         self.is_closed = True
         error = UpstreamProtocolError("upstream closed the HTTP/2 connection")
         for stream in list(self.streams.values()):
-            self._fail_stream(stream, error)
+            self._fail_stream(stream, error if stream.head.done() else _Refused())
         self.streams.clear()
         self._pool._lost(self)
 
@@ -129,12 +134,21 @@ class _H2Connection(asyncio.Protocol):
         stream = self.streams.pop(event.stream_id, None)
         if stream is not None and stream.body is not None:
             stream.body.feed_eof()
-        self._pool._stream_done(self)
+        self._stream_done()
 
     def _on_reset(self, event: h2.events.StreamReset) -> None:
         stream = self.streams.pop(event.stream_id, None)
         if stream is not None:
-            self._fail_stream(stream, UpstreamProtocolError(f"upstream reset the stream ({event.error_code!r})"))
+            if event.error_code == h2.errors.ErrorCodes.REFUSED_STREAM:
+                error: Exception = _Refused()
+            else:
+                error = UpstreamProtocolError(f"upstream reset the stream ({event.error_code!r})")
+            self._fail_stream(stream, error)
+        self._stream_done()
+
+    def _stream_done(self) -> None:
+        if self.is_draining and not self.streams and self.transport is not None:
+            self.transport.close()  # GOAWAY received and the last stream is over
         self._pool._stream_done(self)
 
     def _on_window(self, event: h2.events.WindowUpdated) -> None:
@@ -156,7 +170,7 @@ class _H2Connection(asyncio.Protocol):
         self.is_draining = True
         last = event.last_stream_id or 0
         for stream_id in [sid for sid in self.streams if sid > last]:
-            self._fail_stream(self.streams.pop(stream_id), UpstreamConnectError("upstream sent GOAWAY"))
+            self._fail_stream(self.streams.pop(stream_id), _Refused())
         self._pool._lost(self)
         if not self.streams and self.transport is not None:
             self.transport.close()
@@ -167,20 +181,24 @@ class _H2Connection(asyncio.Protocol):
         self, headers: list[tuple[bytes, bytes]], body: bytes, timeouts: Timeouts
     ) -> tuple[int, list[tuple[bytes, bytes]], Body, int]:
         h2conn = self._h2
-        stream_id = h2conn.get_next_available_stream_id()
+        try:
+            stream_id = h2conn.get_next_available_stream_id()
+            h2conn.send_headers(stream_id, headers, end_stream=not body)
+        except h2.exceptions.H2Error:
+            raise _Refused() from None  # the connection is closing: nothing was sent
         head = self._loop.create_future()
         stream = self.streams[stream_id] = _Stream(stream_id, head)
-        h2conn.send_headers(stream_id, headers, end_stream=not body)
-        self._flush()
         handle = None
         try:
             if body:
-                await asyncio.wait_for(self._send_body(stream, body), timeouts.write)
+                await self._send_body(stream, memoryview(body), timeouts.write)
+            else:
+                self._flush()
             handle = self._loop.call_later(timeouts.read, head_timeout, head, timeouts.read)
             status, response_headers = await head
-        except asyncio.TimeoutError:
+        except h2.exceptions.H2Error as exc:
             self.cancel(stream_id)
-            raise UpstreamReadTimeout(f"sending the request took over {timeouts.write:g} s") from None
+            raise UpstreamProtocolError(f"HTTP/2 error while sending the request: {exc}") from None
         except BaseException:
             self.cancel(stream_id)
             raise
@@ -189,21 +207,30 @@ class _H2Connection(asyncio.Protocol):
                 handle.cancel()
         return status, response_headers, stream.body, stream_id  # type: ignore[return-value]
 
-    async def _send_body(self, stream: _Stream, body: bytes) -> None:
+    async def _send_body(self, stream: _Stream, view: memoryview, timeout: float) -> None:
+        """Send the request body as the flow-control windows allow; wait (up to ``timeout``
+        in all) only when they are closed, which for a chat request is almost never."""
         h2conn = self._h2
-        view = memoryview(body)
+        deadline = self._loop.time() + timeout
         while view:
             if self.is_closed or stream.id not in self.streams:
                 raise UpstreamProtocolError("upstream stream closed while sending the request")
             window = min(h2conn.local_flow_control_window(stream.id), h2conn.max_outbound_frame_size)
             if window <= 0:
-                stream.send_window = self._loop.create_future()
-                await stream.send_window
-                stream.send_window = None
+                self._flush()
+                remaining = deadline - self._loop.time()
+                if remaining <= 0:
+                    raise UpstreamReadTimeout(f"sending the request took over {timeout:g} s")
+                waiter = stream.send_window = self._loop.create_future()
+                handle = self._loop.call_later(remaining, _wake, waiter)
+                try:
+                    await waiter
+                finally:
+                    handle.cancel()
+                    stream.send_window = None
                 continue
             h2conn.send_data(stream.id, view[:window].tobytes())
             view = view[window:]
-            self._flush()
         h2conn.end_stream(stream.id)
         self._flush()
 
@@ -216,7 +243,7 @@ class _H2Connection(asyncio.Protocol):
         except h2.exceptions.H2Error:
             pass
         self._flush()
-        self._pool._stream_done(self)
+        self._stream_done()
 
     def close(self) -> None:
         if not self.is_closed and self.transport is not None:
@@ -316,12 +343,19 @@ class H2Pool:
             *headers,
         ]
         started = time.perf_counter()
-        conn = await self._acquire()
-        pool_wait = time.perf_counter() - started
-        status, response_headers, response_body, stream_id = await conn.exchange(h2_headers, body, self._timeouts)
-        return UpstreamResponse(
-            status, response_headers, response_body, lambda: conn.cancel(stream_id), pool_wait
-        )
+        for attempt in range(3):
+            conn = await self._acquire()
+            pool_wait = time.perf_counter() - started
+            try:
+                status, response_headers, response_body, stream_id = await conn.exchange(h2_headers, body, self._timeouts)
+            except _Refused:
+                if attempt < 2:
+                    continue  # GOAWAY / REFUSED_STREAM: the server never saw it; again, on another connection
+                raise UpstreamConnectError("the upstream refused the stream three times") from None
+            return UpstreamResponse(
+                status, response_headers, response_body, lambda: conn.cancel(stream_id), pool_wait
+            )
+        raise AssertionError("unreachable")
 
     async def warm(self) -> None:
         if self._warm and not self._conns and not self._closed:

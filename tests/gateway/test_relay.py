@@ -256,3 +256,21 @@ def test_tls_upstream_certificate_is_verified_by_default(upstreams, gateways, ce
     response = httpx.post(gw.url + "/v1/chat/completions", json=CHAT)
     assert response.status_code == 503  # the self-signed certificate is refused: no endpoint reachable
     assert "certificate" in response.json()["error"]["message"].lower()
+
+
+def test_http2_goaway_is_survived(upstreams, gateways):
+    """The server sends GOAWAY after every 5 requests on a connection (hypercorn's request
+    limit; servers do the same when they restart): a stream it did not answer is sent again
+    on a new connection and the client never sees the difference. (Hypercorn also drops the
+    streams still running when it sends GOAWAY, so the requests here are sequential; those
+    would end in an error event, as any stream broken mid-way.)"""
+    fake = upstreams("http2", max_requests=5, tokens=4)
+    gw = gateways({"clusters": [cluster(fake)]})
+    for i in range(16):
+        response = httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "stream": bool(i % 2)})
+        assert response.status_code == 200, response.text
+        assert b"error" not in response.content
+    # hypercorn hands the stream that crossed its limit to the app, then closes without an
+    # answer: the gateway saw no response headers and sent it again
+    assert len(fake.requests) >= 16
+    assert gw.state.dispatcher.upstreams[fake.url].pool.num_connections >= 1
