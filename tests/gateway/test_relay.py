@@ -252,8 +252,8 @@ def test_tls_upstream_with_alpn(upstreams, gateways, certificate, protocol):
 
 def test_tls_upstream_certificate_is_verified_by_default(upstreams, gateways, certificate):
     fake = upstreams("http1", tls=certificate)
-    gw = gateways({"clusters": [cluster(fake, warm_connections=0)]})
-    response = httpx.post(gw.url + "/v1/chat/completions", json=CHAT)
+    gw = gateways({"clusters": [cluster(fake, warm_connections=0, connect_timeout_s=30)]})
+    response = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=60)
     assert response.status_code == 503  # the self-signed certificate is refused: no endpoint reachable
     assert "certificate" in response.json()["error"]["message"].lower()
 
