@@ -31,7 +31,7 @@ __all__ = ["create_app"]
 logger = logging.getLogger("edgegw")
 
 
-def create_app(settings: Settings, *, metrics: Metrics | None = None) -> Starlette:
+def create_app(settings: Settings, *, metrics: Metrics | None = None) -> FastPath:
     state = State(settings, metrics or Metrics())
 
     @contextlib.asynccontextmanager
@@ -63,7 +63,26 @@ def create_app(settings: Settings, *, metrics: Metrics | None = None) -> Starlet
         exception_handlers={404: _http_error, 405: _http_error},
     )
     app.state.gateway = state
-    return app
+    return FastPath(app, {path: route.app for route in routes[:2] for path in [route.path]})
+
+
+class FastPath:
+    """``POST`` to a completion path goes straight to its endpoint; everything else
+    (lifespan, WebSocket, the small GETs, 404/405) through Starlette. The completion
+    endpoints handle their own errors, so Starlette's routing and middleware layers are
+    pure per-request cost on the hot path (BENCHMARKS.md)."""
+
+    def __init__(self, app: Starlette, completions: dict[str, object]) -> None:
+        self.app = app
+        self.state = app.state
+        self._completions = completions
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            endpoint = self._completions.get(scope["path"])
+            if endpoint is not None:
+                return await endpoint(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:

@@ -295,7 +295,7 @@ class CompletionsEndpoint:
         reply_headers = [(b"x-request-id", request_id)]
         if state.in_flight >= limits.max_in_flight or state.draining:
             reason = "the gateway is shutting down" if state.draining else "the gateway is at its concurrency limit"
-            metrics.requests.labels(self.label, "503").inc()
+            metrics.count(self.label, 503)
             await send_error(send, Overloaded(reason, retry_after=limits.retry_after_s), reply_headers)
             return
         state.in_flight += 1
@@ -375,7 +375,7 @@ class CompletionsEndpoint:
             await result.close(failure)
             state.in_flight -= 1
             metrics.in_flight.dec()
-            metrics.requests.labels(self.label, str(status)).inc()
+            metrics.count(self.label, status)
             if state.settings.listen.access_log:
                 access_log.info(
                     "%s %s %s model=%s via=%s %.1fms",

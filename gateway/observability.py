@@ -124,6 +124,15 @@ class Metrics:
         )
         self.in_flight = Gauge("edgegw_in_flight_requests", "Requests being served.", registry=registry)
         self._series: dict[tuple[str, str], _Series] = {}
+        self._counts: dict[tuple[str, int], object] = {}
+
+    def count(self, endpoint: str, status: int) -> None:
+        """``requests{endpoint, status}`` += 1, with the labelled child looked up once."""
+        key = (endpoint, status)
+        child = self._counts.get(key)
+        if child is None:
+            child = self._counts[key] = self.requests.labels(endpoint, str(status))
+        child.inc()
 
     def series(self, model: str, upstream: str) -> _Series:
         key = (model, upstream)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ipaddress
 import math
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -174,7 +175,9 @@ def haversine_km(lat1: float, lon1: float, lat2: float, lon2: float) -> float:
 class GeoLocator:
     """Looks addresses up in a MaxMind-format City (or Country) database."""
 
-    __slots__ = ("_reader", "_method", "path", "database_type", "attribution")
+    __slots__ = ("_reader", "_method", "path", "database_type", "attribution", "_cache")
+
+    CACHE_SIZE = 65536  # addresses whose answer is remembered
 
     def __init__(self, reader: geoip2.database.Reader, *, path: str = "", attribution: str = "") -> None:
         self._reader = reader
@@ -190,6 +193,7 @@ class GeoLocator:
                 f"{path or 'database'}: type {self.database_type!r} is neither City nor Country"
             )
         self.attribution = attribution
+        self._cache: OrderedDict[str, Location | None] = OrderedDict()
 
     @classmethod
     def open(cls, path: str | None = None) -> "GeoLocator":
@@ -211,7 +215,24 @@ class GeoLocator:
         return cls(geoip2.database.Reader(path), path=path, attribution=attribution)
 
     def locate(self, ip: str | None) -> Location | None:
-        """Location of ``ip``, or ``None`` when unparsable or not in the database."""
+        """Location of ``ip``, or ``None`` when unparsable or not in the database.
+
+        Answers are remembered for the last ``CACHE_SIZE`` addresses: clients come back,
+        and a database lookup costs more than the rest of a routing decision."""
+        if ip is None:
+            return None
+        cache = self._cache
+        try:
+            location = cache[ip]
+        except KeyError:
+            location = cache[ip] = self._lookup(ip)
+            if len(cache) > self.CACHE_SIZE:
+                cache.popitem(last=False)
+        else:
+            cache.move_to_end(ip)
+        return location
+
+    def _lookup(self, ip: str) -> Location | None:
         addr = parse_ip(ip)
         if addr is None:
             return None

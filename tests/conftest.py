@@ -31,7 +31,14 @@ class GatewayThread:
         self.url = f"http://127.0.0.1:{port}"
         self.app = create_app(settings)
         config = uvicorn.Config(
-            self.app, host="127.0.0.1", port=port, log_level="error", lifespan="on", http="httptools", ws="auto"
+            self.app,
+            host="127.0.0.1",
+            port=port,
+            log_level="error",
+            lifespan="on",
+            http="httptools",
+            ws="auto",
+            proxy_headers=False,  # as `edgegw serve`: forwarding headers are routing's business
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self._run, daemon=True, name=f"gateway-{port}")
