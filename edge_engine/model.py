@@ -34,7 +34,7 @@ class PrefillChunk:
     end: int  # one past the last
     block_table: torch.Tensor  # [num_blocks] int64
     context_len: int  # tokens in the cache once this chunk is written
-    mask: torch.Tensor | None  # [S, context_len] bool, None = plain causal (chunk starts at position 0)
+    mask: torch.Tensor | None  # [S, context_len] additive float (0 / -inf), None = plain causal (chunk starts at 0)
 
 
 @dataclass(slots=True)
@@ -43,7 +43,7 @@ class DecodeGroup:
     end: int
     block_tables: torch.Tensor  # [B, max_blocks] int64, padded with block 0
     context_len: int  # one row: its exact context length (then mask is None); else max_blocks * block_size
-    mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] bool, None for a single row
+    mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] additive float, None for a single row
 
 
 @dataclass(slots=True)

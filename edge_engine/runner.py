@@ -109,8 +109,7 @@ class ModelRunner:
                 mask = None
                 if start > 0:
                     q_pos = torch.arange(start, end).unsqueeze(1)  # [S, 1]
-                    mask = torch.arange(end).unsqueeze(0) <= q_pos  # [S, C]
-                    mask = mask.to(self.device)
+                    mask = self._additive(torch.arange(end).unsqueeze(0) <= q_pos)  # [S, C]
                 prefills.append(
                     PrefillChunk(
                         start=flat_start,
@@ -136,6 +135,12 @@ class ModelRunner:
             sample_rows=sample_rows,
         )
 
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        """A boolean "may attend" mask as the additive float mask SDPA uses internally
+        (0 or -inf, in the activation dtype), built once per step instead of once per layer."""
+        mask = torch.zeros(allowed.shape, dtype=self.act_dtype)
+        return mask.masked_fill_(~allowed, float("-inf")).to(self.device)
+
     def _decode_groups(self, tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:
         """Split decode rows (sorted longest first) into groups whose padding wastes at most
         ~1/3 of the KV a group reads: one gather + one attention call per group."""
@@ -154,8 +159,8 @@ class ModelRunner:
                 groups.append(DecodeGroup(start, end, block_tables, lens[start], None))
             else:
                 row_lens = torch.tensor(lens[start:end], dtype=torch.long)
-                mask = torch.arange(width * bs).unsqueeze(0) < row_lens.unsqueeze(1)  # [B, L]
-                mask = mask.view(end - start, 1, 1, width * bs).to(self.device)
+                mask = self._additive(torch.arange(width * bs).unsqueeze(0) < row_lens.unsqueeze(1))  # [B, L]
+                mask = mask.view(end - start, 1, 1, width * bs)
                 groups.append(DecodeGroup(start, end, block_tables, width * bs, mask))
             start = end
         return groups
