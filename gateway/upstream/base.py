@@ -32,9 +32,15 @@ class Timeouts:
 
 
 class Body:
-    """A response body in flight: a deque of chunks with a byte bound."""
+    """A response body in flight: a deque of chunks with a byte bound.
 
-    __slots__ = ("_loop", "_chunks", "_size", "_flow", "_eof", "_exc", "_waiter", "_high", "_on_full", "_on_drain")
+    Silence is timed with one timer per quiet spell, not one per read: arrivals only note
+    the time, and the timer, when it fires early, re-arms itself for the remainder."""
+
+    __slots__ = (
+        "_loop", "_chunks", "_size", "_flow", "_eof", "_exc", "_waiter", "_high", "_on_full", "_on_drain",
+        "_last", "_timer", "_timeout", "_expired",
+    )
 
     def __init__(
         self,
@@ -53,10 +59,15 @@ class Body:
         self._high = high_water
         self._on_full = on_full
         self._on_drain = on_drain
+        self._last = loop.time()  # when data last arrived (or the last quiet spell ended)
+        self._timer: asyncio.TimerHandle | None = None
+        self._timeout = 0.0
+        self._expired = False
 
     # -- producer side (the protocol) --------------------------------------------------
 
     def feed(self, data: bytes, flow: int | None = None) -> None:
+        self._last = self._loop.time()
         self._chunks.append(data)
         self._size += len(data)
         self._flow += len(data) if flow is None else flow
@@ -66,17 +77,40 @@ class Body:
 
     def feed_eof(self) -> None:
         self._eof = True
+        self._stop_timer()
         self._wake()
 
     def feed_error(self, exc: BaseException) -> None:
         if not self._eof and self._exc is None:
             self._exc = exc
+            self._stop_timer()
             self._wake()
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def _wake(self) -> None:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        if self._eof or self._exc is not None:
+            return
+        now = self._loop.time()
+        due = self._last + self._timeout
+        if now < due:  # data came in meanwhile: the quiet spell started later
+            self._timer = self._loop.call_at(due, self._on_timer)
+            return
+        if self._waiter is None:
+            return  # nobody is waiting; the next read arms a timer again
+        self._last = now  # the next quiet spell starts now
+        self._expired = True
+        self._timer = self._loop.call_at(now + self._timeout, self._on_timer)
+        self._wake()
 
     @property
     def is_complete(self) -> bool:
@@ -90,16 +124,22 @@ class Body:
 
     async def read(self, timeout: float | None) -> bytes | None:
         """All bytes buffered so far (waiting for some); ``b""`` at the end; ``None`` if
-        nothing arrived within ``timeout`` seconds (the caller decides what that means)."""
+        nothing arrived for ``timeout`` seconds (the caller decides what that means)."""
         if not self._chunks and not self._eof and self._exc is None:
             waiter = self._waiter = self._loop.create_future()
-            handle = None if timeout is None else self._loop.call_later(timeout, _expire, waiter)
+            if timeout is not None and (self._timer is None or timeout != self._timeout):
+                if self._timer is not None:
+                    self._timer.cancel()
+                self._timeout = timeout
+                self._timer = self._loop.call_at(self._last + timeout, self._on_timer)
             try:
                 await waiter
             finally:
                 self._waiter = None
-                if handle is not None:
-                    handle.cancel()
+        if self._expired:
+            self._expired = False
+            if not self._chunks and not self._eof and self._exc is None:
+                return None
         chunks = self._chunks
         if chunks:
             data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
@@ -129,9 +169,6 @@ class Body:
             parts.append(data)
 
 
-def _expire(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
 
 
 class UpstreamResponse:
