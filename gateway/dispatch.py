@@ -211,6 +211,7 @@ class Dispatcher:
         its target and the number of attempts made."""
         if decision.hedge_after_ms is None or decision.hedge_target is None:
             return await self._open_with_fallbacks(decision, parsed, forward, request_id)
+        started = time.monotonic()
         primary = asyncio.ensure_future(
             _first_byte(self._open_with_fallbacks(decision, parsed, forward, request_id), parsed.stream)
         )
@@ -224,6 +225,12 @@ class Dispatcher:
         result = await _race(primary, hedge)
         if result[1] is decision.hedge_target and result[2] == 2:
             self.metrics.hedge_wins.inc()
+            primary_target = decision.target
+            if primary_target.kind is TargetKind.ENDPOINT:
+                # the loser never produced a first token: what it took so far is a lower bound
+                # of its TTFT, and without it the balancer would keep preferring it
+                now = time.monotonic()
+                self.health.record_first_token(primary_target.endpoint, now - started, now)
         return result
 
     async def _open_one(
