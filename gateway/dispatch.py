@@ -201,6 +201,10 @@ class Dispatcher:
         except UnknownModel:
             raise ModelNotFound(f"the model '{parsed.model}' does not exist or is not served here", param="model") from None
         except NoRoute as exc:
+            if self.edge is not None and parsed.model == self.edge.model_name:
+                # a request the engine can never serve (prompt or max_tokens past the context)
+                # is the client's error: let the engine name the parameter (400)
+                self.edge.check(parsed.kind, parsed.data)
             retry_after = exc.retry_after_s or self.settings.limits.retry_after_s
             raise NoHealthyUpstream(f"no healthy route for model '{parsed.model}': {exc}", retry_after=retry_after) from None
 

@@ -94,6 +94,13 @@ class EdgeBackend:
     def is_running(self) -> bool:
         return self.engine.is_running
 
+    def check(self, kind: str, data: dict) -> None:
+        """Raise the gateway error the engine would answer ``data`` with, if any."""
+        try:
+            self.serving.prepare(kind, data)
+        except EngineError as exc:
+            raise engine_error(exc) from None
+
     def reply(self, kind: str, data: dict, request_id: str, ping: float) -> EngineReply:
         try:
             prepared = self.serving.prepare(kind, data)

@@ -358,7 +358,7 @@ class CompletionsEndpoint:
             status = exc.status
             failure = exc
             if not started:
-                await send_error(send, exc, [*reply_headers, *_route(result), (b"server-timing", timing.header())])
+                await send_error(send, exc, [*reply_headers, *_route(result, exc), (b"server-timing", timing.header())])
         except ClientGone:
             status = 499
         except asyncio.CancelledError as exc:
@@ -430,8 +430,10 @@ class CompletionsEndpoint:
             events = None
 
 
-def _route(result: Answer) -> list[tuple[bytes, bytes]]:
-    return [(b"x-edgegw-route", result.route)] if result.route else []
+def _route(result: Answer, exc: GatewayError) -> list[tuple[bytes, bytes]]:
+    """The route header of a failed request: its decision if one was made, else why not."""
+    route = result.route or f"target=none; why={exc.code or exc.type}".encode("ascii", "replace")
+    return [(b"x-edgegw-route", route)]
 
 
 def _relayable(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:

@@ -22,6 +22,7 @@ def assert_openai_error(response: httpx.Response, status: int, param=None, code=
     assert response.status_code == status
     assert response.headers["content-type"] == "application/json"
     assert "x-request-id" in response.headers
+    assert response.headers["x-edgegw-route"].startswith("target=")
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["message"]
