@@ -8,6 +8,9 @@ import pytest
 import torch
 
 from edge_engine import SamplingParams
+from edge_engine.kv_cache import KVCache
+from edge_engine.loader import load_model
+from edge_engine.model import Transformer
 from edge_engine.sequence import Sequence
 from tests.edge_engine.conftest import make_engine
 
@@ -122,3 +125,25 @@ def test_bf16_cpu_mode_keeps_fp32_output_layer_and_mostly_agrees(tiny_gguf, refe
     agreement = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
     assert agreement >= 0.9, agreement
     assert (got - want).abs().max().item() < 0.5
+
+
+def test_the_all_bf16_path_used_on_cuda_runs_and_mostly_agrees(tiny_gguf, reference):
+    """No GPU here: run the CUDA dtype plan (bf16 weights, activations and KV; fp32 output
+    layer) on the CPU, through the same runner code."""
+    engine = make_engine(tiny_gguf)
+    runner = engine.runner
+    loaded = load_model(tiny_gguf)
+    runner.model = Transformer(
+        loaded.config, loaded.weights, max_len=engine.max_model_len, device=torch.device("cpu"),
+        weight_dtype=torch.bfloat16, act_dtype=torch.bfloat16,
+    ).eval()
+    runner.weight_dtype = runner.act_dtype = runner.kv_dtype = torch.bfloat16
+    runner.kv_cache = KVCache(loaded.config, engine.num_kv_blocks, engine.block_size, torch.bfloat16, torch.device("cpu"))
+    assert runner.model.output.weight.dtype == torch.float32
+    ids = engine.tokenizer.encode(TEXTS[3])
+    got = _engine_logits(engine, ids, prefill_chunk=8, num_prefill=len(ids) // 2)
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()
+    with torch.no_grad():
+        want = reference(torch.tensor([ids])).logits[0]
+    agreement = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+    assert agreement >= 0.8, agreement
