@@ -321,17 +321,21 @@ class Engine:
                     break
                 adds, self._pending_adds = self._pending_adds, []
                 aborts, self._pending_aborts = self._pending_aborts, []
-            for seq in adds:
-                self.scheduler.add(seq)
-            for seq in aborts:
-                if not seq.is_finished:
-                    self.scheduler.finish(seq, "abort")
             try:
+                for seq in adds:
+                    self.scheduler.add(seq)
+                for seq in aborts:
+                    if not seq.is_finished:
+                        self.scheduler.finish(seq, "abort")
                 events = self.step()
             except Exception as exc:  # a bug outside the model call: fail what is running, keep going
                 logger.exception("engine step failed")
+                self.num_step_failures += 1
                 events = self._fail_all(EngineError(f"engine step failed: {exc!r}"))
-            self._deliver(events)
+            try:
+                self._deliver(events)
+            except Exception:  # never let the step thread die: its requests would hang
+                logger.exception("delivering engine outputs failed")
         # stopping: everything still queued or running fails
         with self._cond:
             adds, self._pending_adds = self._pending_adds, []
@@ -347,7 +351,10 @@ class Engine:
         return events
 
     def step(self) -> list[tuple[Sequence, object]]:
-        """One schedule -> run -> postprocess round; returns (sequence, Delta | EngineError)."""
+        """One schedule -> run -> postprocess round; returns (sequence, Delta | EngineError).
+
+        Runs on the step thread; call it directly only on an engine whose thread is not started.
+        """
         out = self.scheduler.schedule()
         if not out:
             return []
