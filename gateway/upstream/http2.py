@@ -59,7 +59,16 @@ class _H2Connection(asyncio.Protocol):
         self._pool = pool
         self._loop = pool._loop
         self._h2 = h2.connection.H2Connection(
-            h2.config.H2Configuration(client_side=True, header_encoding=None, validate_inbound_headers=False)
+            h2.config.H2Configuration(
+                client_side=True,
+                header_encoding=None,
+                # h2's header checks cost more CPU than the rest of a request; the gateway
+                # builds its own headers, and a malformed answer fails on its own
+                validate_outbound_headers=False,
+                normalize_outbound_headers=False,
+                validate_inbound_headers=False,
+                normalize_inbound_headers=False,
+            )
         )
         self.transport: asyncio.Transport | None = None
         self.streams: dict[int, _Stream] = {}
