@@ -81,6 +81,10 @@ class HealthConfig(_Model):
     retry_budget_ratio: float = Field(default=0.2, ge=0, le=1)  # retries+hedges per request
     retry_budget_min: int = Field(default=5, ge=0)  # retries always allowed per window
     retry_window_s: float = Field(default=10.0, gt=0)  # window of the retry budget
+    # when every endpoint serving a model is ejected, try them anyway (panic routing, as
+    # Envoy does) instead of refusing everything until a breaker half-opens: a burst of
+    # failures (a restart dropping every stream) must not outlast its cause
+    panic: bool = True
 
 
 class HedgingConfig(_Model):

@@ -16,7 +16,8 @@ Rules, in order:
    ``prior_ttft_ms``; else the great-circle distance from the client (or its home
    region) to the cluster's region / ``km_per_rtt_ms`` + ``prior_ttft_ms``. Inside the
    best cluster the balancer picks (power of two choices, affinity, bounded load).
-   Clusters whose endpoints are all ejected are skipped.
+   Clusters whose endpoints are all ejected are skipped; when every endpoint serving the
+   model is ejected, all of them are scored anyway (``health.panic``, on by default).
 3. Explicit models go where they are served. An ``auto`` request stays at the edge
    when it is short and simple (prompt ≤ ``edge_max_prompt_tokens``, max_tokens ≤
    ``edge_max_output_tokens``, no tools or attachments) and the edge is healthy, not
@@ -75,8 +76,10 @@ def _central_targets(
     now: float,
     rng: random.Random | None,
     reasons: list[str],
+    panic: bool = False,
 ) -> tuple[list[Target], str | None]:
-    """Central targets for ``model``, best first, and the affinity outcome."""
+    """Central targets for ``model``, best first, and the affinity outcome. With ``panic``,
+    ejected endpoints are scored too (the caller has nothing else to offer)."""
     cfg = table.config
     pol = cfg.policy
     dist = _distances(table, request, home)
@@ -84,10 +87,13 @@ def _central_targets(
     scored: list[tuple[float, Cluster, float, list[EndpointHealth], dict[str, float], EndpointHealth]] = []
     ejected: list[str] = []
     available = health.available_records
-    for cluster in table.clusters_for(model):
+    clusters = table.clusters_for(model)
+    if panic:
+        reasons.append(f"panic: every endpoint serving {model} is ejected, trying them anyway")
+    for cluster in clusters:
         km = dist.get(cluster.region)
         prior_s = ((0.0 if km is None else km / pol.km_per_rtt_ms) + pol.prior_ttft_ms) / 1e3
-        avail = available(cluster.endpoints, now)
+        avail = [health.endpoint(e) for e in cluster.endpoints] if panic else available(cluster.endpoints, now)
         if not avail:
             ejected.append(cluster.name)
             continue
@@ -265,6 +271,8 @@ def _decide(
             raise NoRoute(f"edge model {route.model!r} unavailable: {why}")
     elif route.kind != AUTO:
         central, affinity = _central_targets(table, health, route.model, request, home, now, rng, reasons)
+        if not central and cfg.health.panic:
+            central, affinity = _central_targets(table, health, route.model, request, home, now, rng, reasons, True)
         if not central:
             eps = [e for c in table.clusters_for(route.model) for e in c.endpoints]
             raise NoRoute(
@@ -327,6 +335,10 @@ def _decide(
                 reasons.append(
                     f"central predicted {central_pred:.0f}ms > budget {budget:.0f}ms; no edge to degrade to"
                 )
+            elif table.central_model is not None and cfg.health.panic and (
+                panicked := _central_targets(table, health, route.model, request, home, now, rng, reasons, True)[0]
+            ):
+                target, fallbacks = panicked[0], panicked[1:]
             else:
                 eps = [e for c in table.clusters_for(route.model) for e in c.endpoints]
                 raise NoRoute(

@@ -153,19 +153,46 @@ def test_cache_hit_first_with_route_behind(table, health):
     assert d.reasons[0] == "exact-response cache hit"
 
 
-def test_cache_hit_survives_no_route(table, health):
+def no_panic() -> tuple[RoutingTable, HealthState]:
+    config = make_config(health={"panic": False})
+    table = RoutingTable.build(config, CLUSTERS, EDGE_MODEL)
+    return table, HealthState.from_config(config, table.endpoint_ids(), seed=1234)
+
+
+def test_cache_hit_survives_no_route():
+    table, health = no_panic()
     for c in ("usw", "euc", "aps"):
         eject(health, c)
     d = decide(RouteRequest(model="llama-70b", location=SF, cache_hit=True), table, health, NOW)
     assert d.target.kind is TargetKind.CACHE and d.fallbacks == ()
 
 
-def test_no_route_when_central_model_ejected(table, health):
+def test_no_route_when_central_model_ejected_without_panic():
+    table, health = no_panic()
     for c in ("usw", "euc", "aps"):
         eject(health, c)
     with pytest.raises(NoRoute) as info:
         decide(RouteRequest(model="llama-70b", location=SF), table, health, NOW)
     assert info.value.retry_after_s == pytest.approx(9.0)  # opened at NOW-1 for 10 s
+
+
+def test_panic_routes_to_ejected_endpoints_when_nothing_else_is_left(table, health):
+    for c in ("usw", "euc", "aps"):
+        eject(health, c)
+    d = decide(RouteRequest(model="llama-70b", location=SF), table, health, NOW)
+    assert d.target.kind is TargetKind.ENDPOINT
+    assert any(r.startswith("panic:") for r in d.reasons)
+    hit = decide(RouteRequest(model="llama-70b", location=SF, cache_hit=True), table, health, NOW)
+    assert hit.target.kind is TargetKind.CACHE and hit.fallbacks  # the panic route behind the cache
+
+
+def test_no_panic_while_an_auto_request_can_degrade_to_the_edge(table, health):
+    for c in ("usw", "euc", "aps"):
+        eject(health, c)
+    long_prompt = RouteRequest(model="auto", location=SF, prompt_tokens=5000)
+    d = decide(long_prompt, table, health, NOW)
+    assert d.target.kind is TargetKind.EDGE and d.degraded
+    assert not any(r.startswith("panic:") for r in d.reasons)
 
 
 def test_breaker_readmission_restores_route(table, health):
