@@ -150,7 +150,6 @@ class Attention(nn.Module):
         for group in meta.decodes:
             out[group.start : group.end] = self._decode_attention(q, k_cache, v_cache, group)
         for chunk in meta.prefills:
-            S = chunk.end - chunk.start
             C = chunk.context_len
             kp = torch.index_select(k_cache, 0, chunk.block_table).view(-1, KH, D)[:C].transpose(0, 1).unsqueeze(0)
             vp = torch.index_select(v_cache, 0, chunk.block_table).view(-1, KH, D)[:C].transpose(0, 1).unsqueeze(0)

@@ -67,15 +67,22 @@ class GatewayThread:
 class GatewayProcess:
     """``python -m gateway serve --config FILE`` as a child process (for signals and memory)."""
 
-    def __init__(self, config: dict, tmp_path: Path) -> None:
+    def __init__(self, config: dict | None, tmp_path: Path, args: list[str] = ()) -> None:
+        """Serve ``config`` (written to a file), or, with ``config=None``, the command line
+        ``args`` (e.g. ``--upstream URL``), on a free port."""
         port = free_port()
-        config = {**config, "listen": {**config.get("listen", {}), "host": "127.0.0.1", "port": port}}
-        path = tmp_path / f"gateway-{port}.yaml"
-        path.write_text(yaml.safe_dump(config))
+        argv = [sys.executable, "-m", "gateway", "serve", *args]
+        if config is not None:
+            config = {**config, "listen": {**config.get("listen", {}), "host": "127.0.0.1", "port": port}}
+            path = tmp_path / f"gateway-{port}.yaml"
+            path.write_text(yaml.safe_dump(config))
+            argv += ["--config", str(path)]
+        else:
+            argv += ["--host", "127.0.0.1", "--port", str(port)]
         self.url = f"http://127.0.0.1:{port}"
         self.log = tmp_path / f"gateway-{port}.log"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway", "serve", "--config", str(path)],
+            argv,
             cwd=ROOT,
             stdout=self.log.open("wb"),
             stderr=subprocess.STDOUT,

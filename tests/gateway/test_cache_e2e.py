@@ -561,17 +561,7 @@ def test_redis_outage_degrades_to_misses(upstreams, gateways, private_redis, bac
 @pytest.mark.parametrize("value", [pytest.param("memory", id="memory"), pytest.param(REDIS_URL, id="redis")])
 def test_cli_quick_start_cache_flag(upstreams, tmp_path, value):
     fake = upstreams()
-    port = free_port()
-    log = tmp_path / "gw.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway", "serve", "--upstream", fake.url, "--cache", value,
-         "--host", "127.0.0.1", "--port", str(port)],
-        cwd=ROOT,
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-    )
-    gw = GatewayProcess.__new__(GatewayProcess)
-    gw.url, gw.proc, gw.log = f"http://127.0.0.1:{port}", proc, log
+    gw = GatewayProcess(None, tmp_path, ["--upstream", fake.url, "--cache", value])
     try:
         gw.start()
         body = chat(unique())

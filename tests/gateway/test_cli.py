@@ -8,7 +8,6 @@ import sys
 import httpx
 
 from tests.conftest import ROOT, GatewayProcess
-from tests.fakes import free_port
 
 
 def edgegw(*args: str) -> subprocess.CompletedProcess:
@@ -45,18 +44,8 @@ def test_check_config_rejects_non_yaml_and_missing_files(tmp_path):
 def test_quick_start_fronts_an_upstream_and_lists_its_models(upstreams, tmp_path):
     fake = upstreams()
     fake.app.models[:] = ["m-one", "m-two"]
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway", "serve", "--upstream", fake.url, "--host", "127.0.0.1", "--port", str(port)],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    gw = GatewayProcess.__new__(GatewayProcess)
-    gw.url, gw.proc, gw.log = f"http://127.0.0.1:{port}", proc, tmp_path / "none.log"
-    gw.log.write_text("")
+    gw = GatewayProcess(None, tmp_path, ["--upstream", fake.url]).start()
     try:
-        gw.start()
         assert [m["id"] for m in httpx.get(gw.url + "/v1/models").json()["data"]] == ["m-one", "m-two"]
         response = httpx.post(
             gw.url + "/v1/chat/completions", json={"model": "m-two", "messages": [{"role": "user", "content": "hi"}]}
