@@ -14,6 +14,7 @@ from typing import Any
 import orjson
 
 from .config import RoutingConfig
+from .geo import _header
 from .types import Location, RouteRequest
 
 __all__ = ["BUDGET_HEADER", "affinity_key", "estimate_prompt_tokens", "request_from_openai"]
@@ -21,16 +22,6 @@ __all__ = ["BUDGET_HEADER", "affinity_key", "estimate_prompt_tokens", "request_f
 BUDGET_HEADER = "x-latency-budget-ms"
 
 _ATTACHMENT_PARTS = frozenset({"image_url", "input_image", "input_audio", "file", "image", "audio"})
-
-
-def _header(headers: Mapping[str, str], name: str) -> str | None:
-    value = headers.get(name)
-    if value is not None:
-        return value
-    for key, value in headers.items():
-        if key.lower() == name:
-            return value
-    return None
 
 
 def _content_chars(content: Any) -> tuple[int, bool]:

@@ -14,8 +14,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from mmdb_writer import MMDBWriter
-from netaddr import IPSet
 
 from tests.conftest import ROOT
 
@@ -28,25 +26,6 @@ SAN_JOSE_IP = "192.0.2.10"  # TEST-NET-1 -> San Jose
 SINGAPORE_IP = "203.0.113.9"  # TEST-NET-3 -> Singapore
 UNKNOWN_IP = "100.64.0.1"  # shared address space: in no database
 PROXY = "10.0.0.5"  # inside the example's trusted 10.0.0.0/8
-
-
-def _city(iso: str, name: str, lat: float, lon: float) -> dict:
-    return {
-        "city": {"names": {"en": name}},
-        "country": {"iso_code": iso, "names": {"en": iso}},
-        "location": {"latitude": lat, "longitude": lon},
-    }
-
-
-@pytest.fixture(scope="module")
-def geo_db(tmp_path_factory) -> str:
-    path = str(tmp_path_factory.mktemp("geo") / "city.mmdb")
-    w = MMDBWriter(ip_version=6, ipv4_compatible=True, database_type="Test-City", languages=["en"], description="t")
-    w.insert_network(IPSet(["192.0.2.0/24"]), _city("US", "San Jose", 37.34, -121.89))
-    w.insert_network(IPSet(["198.51.100.0/24"]), _city("DE", "Frankfurt", 50.11, 8.68))
-    w.insert_network(IPSet(["203.0.113.0/24"]), _city("SG", "Singapore", 1.35, 103.82))
-    w.to_db_file(path)
-    return path
 
 
 @pytest.fixture(scope="module")
