@@ -17,7 +17,7 @@ import importlib
 import logging
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import orjson
 
@@ -30,7 +30,7 @@ from gateway.errors import (
     PoolTimeout,
     UpstreamConnectError,
 )
-from gateway.observability import Metrics
+from gateway.observability import Metrics, Sample
 from gateway.protocol import ParsedRequest
 from gateway.settings import ClusterSettings, Settings
 from gateway.upstream import Upstream
@@ -55,6 +55,8 @@ __all__ = ["Cluster", "Dispatcher"]
 logger = logging.getLogger("edgegw.dispatch")
 
 _PATHS = {"chat": b"/v1/chat/completions", "completion": b"/v1/completions"}
+_BREAKER_DOC = "Circuit breaker of the endpoint: 0 closed, 1 half-open, 2 open (ejected)."
+_BREAKER_VALUE = {"closed": 0, "half_open": 1, "open": 2}
 
 
 class Cluster:
@@ -184,6 +186,30 @@ class Dispatcher:
             return True
         now = time.monotonic()
         return any(c.models and any(self.health.is_available(u.url, now) for u in c.upstreams) for c in self.clusters)
+
+    def live_metrics(self) -> Iterator[Sample]:
+        """Gauges for /metrics: each endpoint's breaker, load and latency estimates, and the
+        edge engine's queue and KV cache."""
+        now = time.monotonic()
+        for url, view in self.health.snapshot(now)["endpoints"].items():
+            labels = {"endpoint": url}
+            yield "edgegw_endpoint_breaker_state", _BREAKER_DOC, labels, _BREAKER_VALUE.get(view["state"], -1)
+            yield "edgegw_endpoint_in_flight", "Requests in flight to the endpoint.", labels, view["inflight"]
+            yield "edgegw_endpoint_error_rate", "Recent error rate of the endpoint.", labels, view["error_rate"]
+            if view["ttft_ms"] is not None:
+                yield "edgegw_endpoint_ttft_ewma_seconds", "Measured TTFT (EWMA).", labels, view["ttft_ms"] / 1e3
+        if self.edge is not None:
+            stats = self.edge.engine.stats()
+            yield "edgegw_edge_waiting", "Sequences waiting in the edge engine.", {}, stats.num_waiting
+            yield "edgegw_edge_running", "Sequences running in the edge engine.", {}, stats.num_running
+            yield "edgegw_edge_kv_blocks_used", "KV cache blocks in use.", {}, stats.num_kv_blocks_used
+            yield "edgegw_edge_kv_blocks_total", "KV cache blocks in the pool.", {}, stats.num_kv_blocks_total
+            yield "edgegw_edge_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache.", {}, stats.prefix_cache_hit_rate
+            yield "edgegw_edge_preemptions", "Sequences preempted since start.", {}, stats.num_preemptions
+            if stats.ttft_ms_p50 is not None:
+                yield "edgegw_edge_ttft_p50_seconds", "Recent median TTFT of the engine.", {}, stats.ttft_ms_p50 / 1e3
+            if stats.tpot_ms_p50 is not None:
+                yield "edgegw_edge_tpot_p50_seconds", "Recent median time per output token.", {}, stats.tpot_ms_p50 / 1e3
 
     def edge_stats(self) -> EdgeStats | None:
         return self.edge.stats() if self.edge is not None else None

@@ -17,9 +17,15 @@ from __future__ import annotations
 import logging
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from collections.abc import Callable, Iterable
 
-__all__ = ["Timing", "Metrics"]
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+__all__ = ["Timing", "Metrics", "Sample"]
+
+# (metric name, help, labels, value): a gauge read from live state at scrape time
+Sample = tuple[str, str, dict[str, str], float]
 
 access_log = logging.getLogger("edgegw.access")
 
@@ -134,9 +140,33 @@ class Metrics:
             child = self._counts[key] = self.requests.labels(endpoint, str(status))
         child.inc()
 
+    def watch(self, read: Callable[[], Iterable[Sample]]) -> None:
+        """Export gauges computed by ``read`` at every scrape."""
+        self.registry.register(_LiveGauges(read))
+
     def series(self, model: str, upstream: str) -> _Series:
         key = (model, upstream)
         series = self._series.get(key)
         if series is None:
             series = self._series[key] = _Series(self, model, upstream)
         return series
+
+
+class _LiveGauges:
+    """A collector that reads its gauges from live state when /metrics is scraped, so the
+    hot path never updates them (breaker states, in-flight counts, the engine's queue)."""
+
+    def __init__(self, read: Callable[[], Iterable[Sample]]) -> None:
+        self._read = read
+
+    def collect(self):
+        families: dict[str, GaugeMetricFamily] = {}
+        for name, doc, labels, value in self._read():
+            family = families.get(name)
+            if family is None:
+                family = families[name] = GaugeMetricFamily(name, doc, labels=list(labels))
+            family.add_metric(list(labels.values()), value)
+        return list(families.values())
+
+    def describe(self):
+        return []  # read at scrape time: nothing to check at registration

@@ -22,6 +22,7 @@ class State:
 
     async def start(self) -> None:
         await self.dispatcher.start()
+        self.metrics.watch(self.dispatcher.live_metrics)
         await self.cache.start()
         self.started = True
 

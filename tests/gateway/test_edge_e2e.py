@@ -87,3 +87,6 @@ def test_client_disconnect_frees_the_engine_sequence(edge_gateway):
     stats = engine.stats()
     assert stats.num_running == 0 and stats.num_waiting == 0
     assert stats.num_kv_blocks_used == 0
+    metrics = httpx.get(edge_gateway.url + "/metrics").text
+    assert "edgegw_edge_running 0.0" in metrics
+    assert f"edgegw_edge_kv_blocks_total {float(stats.num_kv_blocks_total)}" in metrics

@@ -190,6 +190,10 @@ def test_metrics_record_ttft_per_model_and_upstream(setup):
     assert f"edgegw_ttft_seconds_count{{{labels}}} 1.0" in text
     assert f"edgegw_inter_token_seconds_count{{{labels}}}" in text
     assert f"edgegw_e2e_seconds_count{{{labels}}} 1.0" in text
+    # live gauges, read from the routing state at scrape time
+    assert f'edgegw_endpoint_breaker_state{{endpoint="{fake.url}"}} 0.0' in text
+    assert f'edgegw_endpoint_in_flight{{endpoint="{fake.url}"}} 0.0' in text
+    assert f'edgegw_endpoint_ttft_ewma_seconds{{endpoint="{fake.url}"}}' in text
 
 
 def test_warm_connections_are_open_before_the_first_request(upstreams, gateways):

@@ -170,6 +170,7 @@ def test_a_failing_endpoint_is_failed_over_ejected_and_readmitted(upstreams, gat
     assert "served-by" not in route
     if broken is not None:
         assert len(broken.requests) == sent, "an ejected endpoint gets no requests"
+    assert f'edgegw_endpoint_breaker_state{{endpoint="{broken_url}"}} 2.0' in httpx.get(gw.url + "/metrics").text
     # it recovers; the active probes readmit it (half-open, then closed) without a request
     if broken is not None:
         broken.defaults.update(status=200, health_delay=0.0)
