@@ -239,7 +239,9 @@ class Dispatcher:
     ) -> tuple[Reply, Target, int]:
         """The first reply that starts well, hedged if the decision says so; returns it,
         its target and the number of attempts made."""
-        if decision.hedge_after_ms is None or decision.hedge_target is None:
+        if decision.hedge_after_ms is None or decision.hedge_target is None or not parsed.stream:
+            # only a stream's first byte is its first token: a JSON answer arrives whole, after
+            # the full generation, and hedging on it would double every long request
             return await self._open_with_fallbacks(decision, parsed, forward, request_id)
         started = time.monotonic()
         primary = asyncio.ensure_future(

@@ -212,6 +212,20 @@ def test_a_late_first_token_is_hedged_and_the_slow_primary_cancelled(upstreams, 
     assert health.endpoint(hedge.url).inflight == 0
 
 
+def test_a_json_request_is_not_hedged(upstreams, gateways, geo_db):
+    """A non-streaming answer arrives whole after the generation: its first byte says
+    nothing about a late first token, so it is never hedged."""
+    slow, other = upstreams(ttft=0.6), upstreams()
+    config = two_regions(geo_db, [slow.url], [other.url], hedging={"enabled": True, "budget_fraction": 0.5, "min_delay_ms": 0})
+    gw = gateways(config)
+    r = post(gw, US_CLIENT, headers={"x-latency-budget-ms": "300"})
+    assert r.status_code == 200
+    assert f"hedge=east@{other.url}@150ms" in r.headers["x-edgegw-route"]  # the decision offers one
+    assert "served-by" not in r.headers["x-edgegw-route"]
+    assert len(slow.requests) == 1 and not other.requests
+    assert "edgegw_hedges_total 0.0" in httpx.get(gw.url + "/metrics").text
+
+
 def test_auto_without_an_edge_engine_goes_to_a_cluster_and_aliases_resolve(upstreams, gateways, geo_db):
     west, east = upstreams(), upstreams()
     gw = gateways(two_regions(geo_db, [west.url], [east.url]))
