@@ -19,7 +19,8 @@ _USER_AGENT = (b"user-agent", b"edgegw/0.1")
 
 
 class Upstream:
-    """One endpoint: its origin, its pool, an httpx client over that pool, and live counters.
+    """One endpoint: its origin, its pool, and an httpx client over that pool (its health
+    and latency live in ``routing.HealthState``, keyed by ``url``).
 
     Must be created inside the running event loop (the pools bind to it).
     """
@@ -68,24 +69,9 @@ class Upstream:
             ),
             headers={"authorization": f"Bearer {key}"} if key else None,
         )
-        self.in_flight = 0
-        self.consecutive_failures = 0
-        self.down_until = 0.0
 
     async def request(self, path: bytes, headers: list[tuple[bytes, bytes]], body: bytes) -> UpstreamResponse:
         return await self.pool.request(b"POST", self.prefix + path, self.headers + headers, body)
-
-    def is_available(self, now: float) -> bool:
-        return now >= self.down_until
-
-    def record_failure(self, now: float) -> None:
-        """Passive ejection: back off exponentially after consecutive connect failures / 5xx."""
-        self.consecutive_failures += 1
-        self.down_until = now + min(30.0, 0.5 * 2 ** (self.consecutive_failures - 1))
-
-    def record_success(self) -> None:
-        self.consecutive_failures = 0
-        self.down_until = 0.0
 
     async def aclose(self) -> None:
         await self.client.aclose()  # closes the pool through the transport
