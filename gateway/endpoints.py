@@ -367,6 +367,13 @@ class CompletionsEndpoint:
                 raise
             asyncio.current_task().uncancel()
             status = 499
+        except Exception as exc:  # a bug: answer like any other error, keep serving, log it
+            failure = exc
+            logger.exception("request %s failed", request_id.decode())
+            status = 500
+            if not started:
+                error = GatewayError("the gateway failed to handle this request")
+                await send_error(send, error, [*reply_headers, *_route(result, error)])
         finally:
             if watch is not None:
                 watch.stop()

@@ -108,3 +108,15 @@ def test_worker_survives_garbage(gw):
     for content in (b"\xff\xfe\x00", b'{"model": null}', b"9" * 3000, b'{"model": "fake-model", "messages": [null]}'):
         httpx.post(gw.url + "/v1/chat/completions", content=content)
     assert httpx.post(gw.url + "/v1/chat/completions", json=CHAT).status_code == 200
+
+
+def test_an_unexpected_failure_is_an_openai_500_and_the_worker_lives_on(gw, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(gw.state.dispatcher, "route", broken)
+    response = httpx.post(gw.url + "/v1/chat/completions", json=CHAT)
+    error = assert_openai_error(response, 500)
+    assert "a bug" not in error["message"]  # internals stay in the log
+    monkeypatch.undo()
+    assert httpx.post(gw.url + "/v1/chat/completions", json=CHAT).status_code == 200
