@@ -14,11 +14,13 @@ goes, the request task is cancelled wherever it waits, and the reply is closed i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import re
 import time
 import uuid
+from collections.abc import AsyncIterator
 
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -136,6 +138,43 @@ class Answer:
         if self.age is not None:
             headers.append((b"age", str(self.age).encode()))
         return headers
+
+    async def stream(self, dispatcher, series, start: float) -> AsyncIterator[bytes | None]:
+        """The reply's events as the client should get them, for every transport (SSE and
+        WebSocket): recorded for the cache and its followers, measured (TTFT, inter-token
+        gaps, the endpoint's health); ``None`` after a quiet spell. When the backend breaks
+        off, the recording is aborted, the failure recorded, and the ``GatewayError`` raised."""
+        reply, recorder = self.reply, self.recorder
+        events, reply.first = reply.first, None
+        chunks = 0
+        last = 0.0
+        while True:
+            if events is None:
+                try:
+                    events = await reply.next_events()
+                except GatewayError:
+                    if recorder is not None:
+                        await recorder.finish(False)
+                    dispatcher.record_end(reply, False, chunks, time.perf_counter() - start)
+                    raise
+                if events is None:
+                    yield None
+                    continue
+            if not events:
+                if recorder is not None:
+                    await recorder.finish(True)
+                dispatcher.record_end(reply, True, chunks, time.perf_counter() - start)
+                return
+            now = time.perf_counter()
+            if last:
+                series.gap.observe(now - last)
+            else:
+                series.ttft.observe(now - start)
+                dispatcher.record_first_token(reply, now - start)
+            last = now
+            chunks += 1
+            yield events if recorder is None else await recorder.feed(events)
+            events = None
 
     async def close(self, exc: BaseException | None = None) -> None:
         if self.reply is not None:
@@ -348,12 +387,10 @@ class CompletionsEndpoint:
             out_headers.append((b"server-timing", timing.header()))
             started = True
             await send({"type": "http.response.start", "status": status, "headers": out_headers})
-            ok, chunks = await self._relay_stream(send, result, series, timing.start)
+            await self._relay_stream(send, result, series, timing.start)
             watch.finished = True
             await send({"type": "http.response.body", "body": b""})
-            elapsed = timing.elapsed()
-            series.e2e.observe(elapsed)
-            state.dispatcher.record_end(reply, ok, chunks, elapsed)
+            series.e2e.observe(timing.elapsed())
         except GatewayError as exc:
             status = exc.status
             failure = exc
@@ -394,47 +431,24 @@ class CompletionsEndpoint:
                     timing.elapsed() * 1000,
                 )
 
-    async def _relay_stream(self, send, result: Answer, series, start: float) -> tuple[bool, int]:
-        """Relay the reply's events to the client; returns (completed, chunks relayed)."""
+    async def _relay_stream(self, send, result: Answer, series, start: float) -> None:
+        """Relay the reply's events to the client; a backend that breaks off ends the
+        stream with an OpenAI error event and ``[DONE]``."""
         reply = result.reply
-        recorder = result.recorder
-        dispatcher = self.state.dispatcher
         message = {"type": "http.response.body", "body": b"", "more_body": True}
-        chunks = 0
-        last = 0.0
-        events = reply.first
-        reply.first = None
-        while True:
-            if events is None:
-                try:
-                    events = await reply.next_events()
-                except GatewayError as exc:
-                    self.state.metrics.upstream_errors.labels(reply.label, "mid_stream").inc()
-                    message["body"] = (b"\n\n" if reply.in_event else b"") + error_event(exc) + DONE
+        try:
+            async with contextlib.aclosing(result.stream(self.state.dispatcher, series, start)) as stream:
+                async for events in stream:
+                    if events is None:
+                        if reply.in_event:
+                            continue
+                        events = PING
+                    message["body"] = events
                     await send(message)
-                    if recorder is not None:
-                        await recorder.finish(False)
-                    return False, chunks
-                if events is None:
-                    if not reply.in_event:
-                        message["body"] = PING
-                        await send(message)
-                    continue
-            if not events:
-                if recorder is not None:
-                    await recorder.finish(True)
-                return True, chunks
-            now = time.perf_counter()
-            if last:
-                series.gap.observe(now - last)
-            else:
-                series.ttft.observe(now - start)
-                dispatcher.record_first_token(reply, now - start)
-            last = now
-            chunks += 1
-            message["body"] = events if recorder is None else await recorder.feed(events)
+        except GatewayError as exc:
+            self.state.metrics.upstream_errors.labels(reply.label, "mid_stream").inc()
+            message["body"] = (b"\n\n" if reply.in_event else b"") + error_event(exc) + DONE
             await send(message)
-            events = None
 
 
 def _route(result: Answer, exc: GatewayError) -> list[tuple[bytes, bytes]]:

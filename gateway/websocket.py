@@ -14,7 +14,7 @@ request at once, as on the HTTP path.
 from __future__ import annotations
 
 import asyncio
-import time
+import contextlib
 import uuid
 from collections import deque
 
@@ -105,37 +105,15 @@ class WebSocketEndpoint:
                     error = None
                 await _send_text(send, orjson.dumps({"type": "error", "status": reply.status, "error": error}).decode())
                 return
-            recorder = result.recorder
-            last = 0.0
-            events = reply.first
-            reply.first = None
-            while True:
-                if events is None:
-                    events = await reply.next_events()
-                    if events is None:
-                        continue
-                if not events:
-                    break
-                now = time.perf_counter()
-                if last:
-                    series.gap.observe(now - last)
-                else:
-                    series.ttft.observe(now - timing.start)
-                last = now
-                if recorder is not None:
-                    events = await recorder.feed(events)
-                for payload in sse_payloads(events):
-                    if payload != b"[DONE]":
-                        await _send_text(send, payload.decode())
-                events = None
-            if recorder is not None:
-                await recorder.finish(True)
+            async with contextlib.aclosing(result.stream(state.dispatcher, series, timing.start)) as stream:
+                async for events in stream:
+                    for payload in sse_payloads(events) if events else ():
+                        if payload != b"[DONE]":
+                            await _send_text(send, payload.decode())
             series.e2e.observe(timing.elapsed())
             await _send_text(send, _DONE)
         except GatewayError as exc:
             failure = exc
-            if result.recorder is not None:
-                await result.recorder.finish(False)
             await _send_error(send, exc)
         except asyncio.CancelledError as exc:
             failure = exc

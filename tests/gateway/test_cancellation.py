@@ -133,6 +133,9 @@ def test_websocket_relay(upstreams, gateways, protocol):
         ws.send("{broken")
         assert orjson.loads(ws.recv(timeout=5))["status"] == 400
     assert all(r.body["stream"] is True for r in fake.requests)
+    # a WebSocket stream feeds routing's view of the endpoint like an SSE one
+    endpoint = gw.state.dispatcher.health.endpoint(fake.url)
+    assert endpoint.ttft_s is not None and endpoint.inflight == 0
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
