@@ -72,11 +72,7 @@ class MemoryCache(CacheBackend):
             elif fresh_enough(candidate, max_age, now):
                 self._items.move_to_end(key)
                 entry = candidate
-        if entry is None:
-            self.metrics.miss(self.name)
-        else:
-            self.metrics.hit(self.name)
-        self.metrics.observe_lookup(self.name, time.perf_counter() - started)
+        self.metrics.looked_up(self.name, entry is not None, started)
         return entry
 
     async def set(self, key: str, entry: Entry, ttl: float) -> bool:

@@ -11,6 +11,8 @@ shared metrics object), so creating many never collides. The gateway creates one
 
 from __future__ import annotations
 
+import time
+
 from collections import Counter as _Tally
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -105,6 +107,15 @@ class CacheMetrics:
         """A call not made because the backend's circuit is open (after an error)."""
         self._skipped.labels(backend, op).inc()
         self._count("skipped", f"{backend}:{op}")
+
+    def looked_up(self, tier: str, hit: bool, started: float) -> None:
+        """One lookup in ``tier``: a hit or a miss, and its latency since ``started``
+        (a ``time.perf_counter()`` reading)."""
+        if hit:
+            self.hit(tier)
+        else:
+            self.miss(tier)
+        self.observe_lookup(tier, time.perf_counter() - started)
 
     def observe_lookup(self, tier: str, seconds: float) -> None:
         self._lookup.labels(tier).observe(seconds)

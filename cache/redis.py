@@ -110,11 +110,7 @@ class RedisCache(CacheBackend):
                 entry = entry.with_expiry(now + pttl / 1000 if pttl and pttl > 0 else None)
                 if not fresh_enough(entry, max_age, now):
                     entry = None
-        if entry is None:
-            self.metrics.miss(self.name)
-        else:
-            self.metrics.hit(self.name)
-        self.metrics.observe_lookup(self.name, time.perf_counter() - started)
+        self.metrics.looked_up(self.name, entry is not None, started)
         return entry
 
     async def set(self, key: str, entry: Entry, ttl: float) -> bool:
