@@ -8,12 +8,12 @@ from urllib.parse import urlsplit
 import httpx
 
 from gateway.settings import EndpointSettings, endpoint_api_key
-from gateway.upstream.base import Body, Pool, Timeouts, UpstreamResponse
+from gateway.upstream.base import Body, Origin, Pool, Timeouts, UpstreamResponse
 from gateway.upstream.http1 import H1Pool
 from gateway.upstream.http2 import H2Pool
 from gateway.upstream.transport import PoolTransport
 
-__all__ = ["Upstream", "UpstreamResponse", "Body", "Pool", "PoolTransport", "H1Pool", "H2Pool", "Timeouts"]
+__all__ = ["Upstream", "UpstreamResponse", "Body", "Origin", "Pool", "PoolTransport", "H1Pool", "H2Pool", "Timeouts"]
 
 _USER_AGENT = (b"user-agent", b"edgegw/0.1")
 
@@ -40,20 +40,17 @@ class Upstream:
         self.timeouts = Timeouts(
             settings.connect_timeout_s, settings.read_timeout_s, settings.write_timeout_s, settings.pool_timeout_s
         )
-        context = _ssl_context(settings) if secure else None
-        common = dict(
-            ssl=context,
-            authority=authority.encode(),
+        origin = Origin(
+            host, port, _ssl_context(settings) if secure else None, authority.encode(), parts.scheme.encode()
+        )
+        pool_type = H2Pool if settings.protocol == "http2" else H1Pool
+        self.pool: Pool = pool_type(
+            origin,
             max_connections=settings.pool_size,
             warm_connections=settings.warm_connections,
             timeouts=self.timeouts,
             high_water=high_water,
         )
-        self.pool: Pool
-        if settings.protocol == "http2":
-            self.pool = H2Pool(host, port, scheme=parts.scheme.encode(), **common)
-        else:
-            self.pool = H1Pool(host, port, **common)
         self.headers: list[tuple[bytes, bytes]] = [_USER_AGENT]
         key = endpoint_api_key(settings)
         if key:

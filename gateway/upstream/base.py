@@ -18,7 +18,7 @@ import ssl as ssl_module
 
 from gateway.errors import PayloadTooLarge, UpstreamConnectError, UpstreamReadTimeout
 
-__all__ = ["Body", "UpstreamResponse", "Pool", "Timeouts", "connect", "head_timeout"]
+__all__ = ["Body", "Origin", "UpstreamResponse", "Pool", "Timeouts", "connect", "head_timeout"]
 
 
 class Timeouts:
@@ -29,6 +29,25 @@ class Timeouts:
         self.read = read
         self.write = write
         self.pool = pool
+
+
+class Origin:
+    """Where a pool connects: host and port, TLS context (None for cleartext), and the
+    ``Host`` / ``:authority`` and scheme its requests carry."""
+
+    __slots__ = ("host", "port", "ssl", "authority", "scheme")
+
+    def __init__(
+        self, host: str, port: int, ssl: ssl_module.SSLContext | None, authority: bytes, scheme: bytes
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.ssl = ssl
+        self.authority = authority
+        self.scheme = scheme
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
 
 
 class Body:
@@ -223,23 +242,19 @@ class Pool(Protocol):
 
 
 async def connect(
-    loop: asyncio.AbstractEventLoop,
-    factory: Callable[[], asyncio.Protocol],
-    host: str,
-    port: int,
-    ssl: ssl_module.SSLContext | None,
-    timeout: float,
+    loop: asyncio.AbstractEventLoop, factory: Callable[[], asyncio.Protocol], origin: Origin, timeout: float
 ) -> asyncio.Protocol:
-    """Open a TCP (+TLS) connection with ``factory``'s protocol, mapping failures to
-    ``UpstreamConnectError``."""
+    """Open a TCP (+TLS) connection to ``origin`` with ``factory``'s protocol, mapping
+    failures to ``UpstreamConnectError``."""
+    host, port, ssl = origin.host, origin.port, origin.ssl
     try:
         _, protocol = await asyncio.wait_for(
             loop.create_connection(factory, host, port, ssl=ssl, server_hostname=host if ssl else None), timeout
         )
     except asyncio.TimeoutError:
-        raise UpstreamConnectError(f"connect to {host}:{port} timed out after {timeout:g} s") from None
+        raise UpstreamConnectError(f"connect to {origin} timed out after {timeout:g} s") from None
     except (OSError, ssl_module.SSLError) as exc:
-        raise UpstreamConnectError(f"cannot connect to {host}:{port}: {exc}") from None
+        raise UpstreamConnectError(f"cannot connect to {origin}: {exc}") from None
     return protocol
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import ssl as ssl_module
 import time
 from collections import deque
 
@@ -27,7 +26,7 @@ from gateway.errors import (
     UpstreamConnectError,
     UpstreamProtocolError,
 )
-from gateway.upstream.base import Body, Timeouts, UpstreamResponse, connect, head_timeout
+from gateway.upstream.base import Body, Origin, Timeouts, UpstreamResponse, connect, head_timeout
 
 __all__ = ["H1Pool"]
 
@@ -164,21 +163,15 @@ class H1Pool:
 
     def __init__(
         self,
-        host: str,
-        port: int,
+        origin: Origin,
         *,
-        ssl: ssl_module.SSLContext | None,
-        authority: bytes,
         max_connections: int,
         warm_connections: int,
         timeouts: Timeouts,
         high_water: int,
     ) -> None:
         self._loop = asyncio.get_running_loop()
-        self._host = host
-        self._port = port
-        self._ssl = ssl
-        self._authority = authority
+        self._origin = origin
         self._max = max_connections
         self._warm = warm_connections
         self._timeouts = timeouts
@@ -201,7 +194,7 @@ class H1Pool:
                 b" ",
                 path,
                 b" HTTP/1.1\r\nhost: ",
-                self._authority,
+                self._origin.authority,
                 b"\r\ncontent-length: ",
                 str(len(body)).encode(),
                 b"\r\n",
@@ -233,7 +226,7 @@ class H1Pool:
             if isinstance(result, _H1Connection):
                 self._release(result)
             elif isinstance(result, GatewayError):
-                logger.warning("warm-up of %s:%s failed: %s", self._host, self._port, result.message)
+                logger.warning("warm-up of %s failed: %s", self._origin, result.message)
 
     async def aclose(self) -> None:
         self._closed = True
@@ -255,7 +248,7 @@ class H1Pool:
 
     def __repr__(self) -> str:
         return (
-            f"<H1Pool {self._host}:{self._port} [{len(self._all)} connections, "
+            f"<H1Pool {self._origin} [{len(self._all)} connections, "
             f"{len(self._idle)} idle, {len(self._waiters)} waiting]>"
         )
 
@@ -294,7 +287,7 @@ class H1Pool:
         self._opening += 1
         try:
             conn = await connect(
-                self._loop, lambda: _H1Connection(self), self._host, self._port, self._ssl, self._timeouts.connect
+                self._loop, lambda: _H1Connection(self), self._origin, self._timeouts.connect
             )
         finally:
             self._opening -= 1

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import ssl as ssl_module
 import time
 from collections import deque
 
@@ -30,7 +29,7 @@ from gateway.errors import (
     UpstreamProtocolError,
     UpstreamReadTimeout,
 )
-from gateway.upstream.base import Body, Timeouts, UpstreamResponse, connect, head_timeout
+from gateway.upstream.base import Body, Origin, Timeouts, UpstreamResponse, connect, head_timeout
 
 __all__ = ["H2Pool"]
 
@@ -314,25 +313,17 @@ class H2Pool:
 
     def __init__(
         self,
-        host: str,
-        port: int,
+        origin: Origin,
         *,
-        ssl: ssl_module.SSLContext | None,
-        authority: bytes,
-        scheme: bytes,
         max_connections: int,
         warm_connections: int,
         timeouts: Timeouts,
         high_water: int,
     ) -> None:
         self._loop = asyncio.get_running_loop()
-        self._host = host
-        self._port = port
-        self._ssl = ssl
-        self._authority = authority
-        self._scheme = scheme
+        self._origin = origin
         self._max = max_connections
-        self._warm = max(1, warm_connections) if warm_connections else 0
+        self._warm = warm_connections
         self._timeouts = timeouts
         self._high_water = high_water
         self._conns: list[_H2Connection] = []
@@ -345,8 +336,8 @@ class H2Pool:
     ) -> UpstreamResponse:
         h2_headers = [
             (b":method", method),
-            (b":scheme", self._scheme),
-            (b":authority", self._authority),
+            (b":scheme", self._origin.scheme),
+            (b":authority", self._origin.authority),
             (b":path", path),
             (b"content-length", str(len(body)).encode()),
             *headers,
@@ -371,7 +362,7 @@ class H2Pool:
             try:
                 await self._open()
             except GatewayError as exc:
-                logger.warning("warm-up of %s:%s failed: %s", self._host, self._port, exc.message)
+                logger.warning("warm-up of %s failed: %s", self._origin, exc.message)
 
     async def aclose(self) -> None:
         self._closed = True
@@ -388,7 +379,7 @@ class H2Pool:
 
     def __repr__(self) -> str:
         streams = sum(len(c.streams) for c in self._conns)
-        return f"<H2Pool {self._host}:{self._port} [{len(self._conns)} connections, {streams} streams]>"
+        return f"<H2Pool {self._origin} [{len(self._conns)} connections, {streams} streams]>"
 
     # -- internals -----------------------------------------------------------------
 
@@ -440,13 +431,13 @@ class H2Pool:
 
     async def _connect(self) -> _H2Connection:
         conn = await connect(
-            self._loop, lambda: _H2Connection(self), self._host, self._port, self._ssl, self._timeouts.connect
+            self._loop, lambda: _H2Connection(self), self._origin, self._timeouts.connect
         )
-        if self._ssl is not None:
+        if self._origin.ssl is not None:
             ssl_object = conn.transport.get_extra_info("ssl_object")
             if ssl_object is None or ssl_object.selected_alpn_protocol() != "h2":
                 conn.close()
-                raise UpstreamConnectError(f"{self._host}:{self._port} did not negotiate h2 over ALPN")
+                raise UpstreamConnectError(f"{self._origin} did not negotiate h2 over ALPN")
         return conn
 
     def _stream_done(self, conn: _H2Connection) -> None:
