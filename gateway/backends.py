@@ -16,12 +16,14 @@ Errors from the cache are translated into ``gateway.errors`` here (the engine's 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 from cache import Flight, FlightAborted, as_json
 from gateway.errors import UpstreamError
 from gateway.relay import DONE, EventReader
 from gateway.upstream import Upstream, UpstreamResponse
+from routing import HealthState
 
 __all__ = ["Reply", "UpstreamReply", "ReplayReply", "FollowerReply", "Paced", "SSE", "JSON"]
 
@@ -52,9 +54,25 @@ class Reply:
 
 
 class UpstreamReply(Reply):
-    __slots__ = ("response", "upstream", "status", "headers", "label", "pool_wait", "first", "_reader", "_limit")
+    """An inference server's response. It reports its end to routing's ``HealthState``
+    exactly once: when the relay finishes it (``end``), or else when it is closed (a 4xx, a
+    hedge's loser, a client gone), so the endpoint's in-flight count never leaks."""
 
-    def __init__(self, response: UpstreamResponse, upstream: Upstream, ping: float, max_event: int, limit: int) -> None:
+    __slots__ = (
+        "response", "upstream", "status", "headers", "label", "pool_wait", "first",
+        "_reader", "_limit", "_health", "_started_at", "_ended",
+    )
+
+    def __init__(
+        self,
+        response: UpstreamResponse,
+        upstream: Upstream,
+        health: HealthState,
+        started_at: float,
+        ping: float,
+        max_event: int,
+        limit: int,
+    ) -> None:
         self.response = response
         self.upstream = upstream
         self.status = response.status
@@ -64,6 +82,17 @@ class UpstreamReply(Reply):
         self.first = None
         self._reader = EventReader(response.body, ping, upstream.timeouts.read, max_event)
         self._limit = limit
+        self._health = health
+        self._started_at = started_at  # time.monotonic() when the request was sent
+        self._ended = False
+
+    def end(self, ok: bool, chunks: int, duration: float | None = None) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        now = time.monotonic()
+        elapsed = now - self._started_at if duration is None else duration
+        self._health.record_end(self.upstream.url, ok, chunks, elapsed, now)
 
     async def read_body(self) -> bytes:
         return await self.response.body.read_all(self.upstream.timeouts.read, self._limit)
@@ -76,6 +105,7 @@ class UpstreamReply(Reply):
         return self._reader.in_event
 
     async def aclose(self) -> None:
+        self.end(True, 0)
         self.response.close()
 
 

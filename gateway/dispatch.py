@@ -328,10 +328,9 @@ class Dispatcher:
         except BaseException:  # cancelled (a hedge's loser, a client gone): not the endpoint's fault
             health.record_end(upstream.url, True, 0, time.monotonic() - now, time.monotonic())
             raise
-        reply = _TrackedReply(
-            response, upstream, limits.keepalive_interval_s, limits.max_event_bytes, limits.max_response_bytes
+        reply = UpstreamReply(
+            response, upstream, health, now, limits.keepalive_interval_s, limits.max_event_bytes, limits.max_response_bytes
         )
-        reply.health, reply.started_at = health, now
         if response.status >= 500:
             self.metrics.upstream_errors.labels(upstream.url, f"http_{response.status}").inc()
             reply.end(False, 0)
@@ -342,29 +341,8 @@ class Dispatcher:
             self.health.record_first_token(reply.upstream.url, ttft, time.monotonic())
 
     def record_end(self, reply: Reply, ok: bool, chunks: int, duration: float) -> None:
-        if isinstance(reply, _TrackedReply):
+        if isinstance(reply, UpstreamReply):
             reply.end(ok, chunks, duration)
-
-
-class _TrackedReply(UpstreamReply):
-    """An upstream reply that reports its end to ``HealthState`` exactly once: when the
-    relay finishes it, or else when it is closed (a 4xx, a hedge's loser, a client gone,
-    a stream broken off), so the endpoint's in-flight count never leaks."""
-
-    health: HealthState
-    started_at = 0.0
-    ended = False
-
-    def end(self, ok: bool, chunks: int, duration: float | None = None) -> None:
-        if self.ended:
-            return
-        self.ended = True
-        now = time.monotonic()
-        self.health.record_end(self.upstream.url, ok, chunks, now - self.started_at if duration is None else duration, now)
-
-    async def aclose(self) -> None:
-        self.end(True, 0)
-        await super().aclose()
 
 
 async def _first_byte(opening, stream: bool) -> tuple[Reply, Target, int]:
