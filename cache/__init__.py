@@ -9,9 +9,9 @@ from cache.errors import CacheError, FlightAborted
 from cache.keys import make_key
 from cache.memory import MemoryCache
 from cache.metrics import CacheMetrics
-from cache.policy import Directives, Plan, parse_cache_control, plan
+from cache.policy import Directives, Plan, is_complete_body, is_complete_stream, parse_cache_control, plan, recording_fields
 from cache.redis import RedisCache
-from cache.replay import as_chunks, as_json
+from cache.replay import as_chunks, as_json, is_usage_chunk
 from cache.singleflight import Flight, SingleFlight
 from cache.tiered import TieredCache
 
@@ -33,9 +33,13 @@ __all__ = [
     "as_json",
     "build",
     "build_singleflight",
+    "is_complete_body",
+    "is_complete_stream",
+    "is_usage_chunk",
     "make_key",
     "parse_cache_control",
     "plan",
+    "recording_fields",
 ]
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MiB = 1024 * 1024
 
@@ -44,6 +44,14 @@ class CacheConfig(BaseModel):
     stream_ttl: float = Field(default=60.0, gt=0)
     # key prefix in Redis, so several deployments can share one Redis
     namespace: str = Field(default="edgegw", min_length=1)
+    # request headers that change the answer (the gateway forwards headers upstream): their
+    # values become part of the key, like HTTP's Vary; names are case-insensitive
+    vary_headers: tuple[str, ...] = ()
+
+    @field_validator("vary_headers")
+    @classmethod
+    def _lower(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(sorted({name.strip().lower() for name in value if name.strip()}))
 
     @model_validator(mode="after")
     def _check_bounds(self) -> CacheConfig:

@@ -60,8 +60,14 @@ def canonical_body(body: dict[str, Any]) -> bytes:
     return orjson.dumps(_normalise(semantic), option=orjson.OPT_SORT_KEYS)
 
 
-def make_key(tenant: str, kind: str, body: dict[str, Any]) -> str:
-    """The cache key of a request `body` for `tenant` on route `kind` ("chat"|"completion")."""
+def make_key(
+    tenant: str, kind: str, body: dict[str, Any], vary: tuple[tuple[str, str], ...] = ()
+) -> str:
+    """The cache key of a request `body` for `tenant` on route `kind` ("chat"|"completion").
+
+    `vary`: (name, value) of the request headers that change the answer (the `Vary` idea:
+    the gateway forwards headers, and an upstream may answer differently by them), names
+    lower-cased, in a fixed order; a header absent from the request is absent here."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     model = body.get("model")
@@ -70,6 +76,7 @@ def make_key(tenant: str, kind: str, body: dict[str, Any]) -> str:
         kind.encode(),
         str(model).encode() if model is not None else b"",
         canonical_body(body),
+        *(f"{name}:{value}".encode() for name, value in vary),
     )
     h = blake2b(digest_size=32, person=b"edgegw.cache.v1")
     for part in parts:

@@ -28,13 +28,15 @@ class Directives:
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """What to do with one request: look up? store the answer? how old may a hit be?"""
+    """What to do with one request: look up? store the answer? how old may a hit be?
+    ``only_if_cached``: a miss must not go upstream (the gateway answers 504)."""
 
     lookup: bool
     store: bool
     max_age: float | None
     ttl: float
     reason: str
+    only_if_cached: bool = False
 
 
 def parse_cache_control(header: str | None) -> Directives:
@@ -83,20 +85,34 @@ def plan(
     body: dict[str, Any], directives: Directives, ttl: float, default_greedy: bool = True
 ) -> Plan:
     """Decide lookup/store for a request `body` with route TTL `ttl` (seconds)."""
+    only = directives.only_if_cached
     if directives.no_store:
-        return Plan(False, False, None, ttl, "no-store")
+        return Plan(False, False, None, ttl, "no-store", only)
     ok, why = is_deterministic(body, default_greedy)
     if not ok:
-        return Plan(False, False, None, ttl, why)
+        return Plan(False, False, None, ttl, why, only)
     if ttl <= 0:
-        return Plan(False, False, None, ttl, "ttl=0")
+        return Plan(False, False, None, ttl, "ttl=0", only)
     if directives.no_cache:
-        return Plan(False, True, None, ttl, "no-cache")
+        return Plan(False, True, None, ttl, "no-cache", only)
     if directives.max_age is not None:
         if directives.max_age <= 0:
-            return Plan(False, True, 0.0, ttl, "max-age=0")
-        return Plan(True, True, directives.max_age, ttl, "max-age")
-    return Plan(True, True, None, ttl, "cacheable")
+            return Plan(False, True, 0.0, ttl, "max-age=0", only)
+        return Plan(True, True, directives.max_age, ttl, "max-age", only)
+    return Plan(True, True, None, ttl, "cacheable", only)
+
+
+def recording_fields(body: dict[str, Any], plan: Plan) -> dict[str, Any] | None:
+    """Fields to set on the request sent upstream so that its answer can be stored whole, or
+    None. A stream that will be stored asks for the usage chunk (stored entries answer
+    clients that want usage); the client that did not ask must not see it
+    (``replay.is_usage_chunk`` finds it)."""
+    if not plan.store or body.get("stream") is not True:
+        return None
+    options = body.get("stream_options")
+    if isinstance(options, dict) and options.get("include_usage"):
+        return None
+    return {"stream_options": {**(options if isinstance(options, dict) else {}), "include_usage": True}}
 
 
 def _choices_complete(choices: Any, finished: dict[int, Any]) -> bool:

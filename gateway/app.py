@@ -1,9 +1,14 @@
-"""``create_app(settings)``: the Starlette application and its lifespan.
+"""``create_app(settings)``: the gateway as one ASGI application, and its lifespan.
 
-The lifespan owns everything with a connection or a thread: the upstream pools (opened and
-warmed before the first request), later the cache, the geo database and the edge engine.
-On shutdown (after uvicorn has stopped accepting and let in-flight streams finish, up to
-``limits.drain_timeout_s``) it closes them.
+``Gateway`` holds what runs: the admission ``Gate``, the ``Fleet`` (pools, engine, routing
+state), the ``Dispatcher``, the cache layer and the ``Pipeline`` over them. The lifespan
+starts them before the first request and, on shutdown (after uvicorn has stopped accepting
+and let in-flight streams finish, up to ``limits.drain_timeout_s``), closes them.
+
+``GatewayApp`` sends ``POST`` to a completion path straight to its admitted endpoint;
+everything else (lifespan, WebSocket, the small GETs, 404/405) goes through Starlette. The
+completion endpoints handle their own errors, so Starlette's routing and middleware layers
+would be pure per-request cost on the hot path (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -18,63 +23,56 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route, WebSocketRoute
 
-from gateway import endpoints
+from gateway.admission import AdmissionApp, Gate
+from gateway.caching import CacheLayer
+from gateway.dispatch import Dispatcher
+from gateway.endpoints import CompletionsApp, HealthzApp, MetricsApp, ModelsApp, ReadyzApp, WebSocketApp
 from gateway.errors import error_body
+from gateway.fleet import Fleet
 from gateway.observability import Metrics
-from gateway.protocol import CHAT, COMPLETION
+from gateway.openai import CHAT, COMPLETION
+from gateway.pipeline import Pipeline
 from gateway.settings import Settings
-from gateway.state import State
-from gateway.websocket import WebSocketEndpoint
 
-__all__ = ["create_app"]
+__all__ = ["Gateway", "GatewayApp", "create_app"]
 
 logger = logging.getLogger("edgegw")
 
 
-def create_app(settings: Settings, *, metrics: Metrics | None = None) -> FastPath:
-    state = State(settings, metrics or Metrics())
+class Gateway:
+    """Everything the running gateway holds, built once and started by the lifespan."""
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        await state.start()
+    def __init__(self, settings: Settings, metrics: Metrics | None = None) -> None:
+        self.settings = settings
+        self.metrics = metrics = metrics or Metrics()
+        self.gate = Gate(settings, metrics)
+        self.fleet = Fleet(settings, metrics)
+        self.dispatcher = Dispatcher(self.fleet, metrics)
+        self.cache = CacheLayer(settings.cache, metrics.registry)
+        self.pipeline = Pipeline(self.dispatcher, self.cache, settings.limits.keepalive_interval_s)
+        self.started = False
+
+    async def start(self) -> None:
+        await self.fleet.start()
+        self.metrics.watch(self.fleet.gauges)
+        await self.cache.start()
+        self.started = True
         logger.info(
             "edgegw ready: %d cluster(s), models: %s",
-            len(state.dispatcher.clusters),
-            ", ".join(m for m, _ in state.dispatcher.models()) or "(none yet)",
+            len(self.fleet.clusters),
+            ", ".join(m for m, _ in self.fleet.models()) or "(being discovered)",
         )
-        try:
-            yield
-        finally:
-            state.draining = True
-            await state.aclose()
 
-    routes = [
-        Route("/v1/chat/completions", endpoints.CompletionsEndpoint(state, CHAT), methods=["POST"]),
-        Route("/v1/completions", endpoints.CompletionsEndpoint(state, COMPLETION), methods=["POST"]),
-        Route("/v1/models", endpoints.Models(state), methods=["GET"]),
-        Route("/healthz", endpoints.Healthz(state), methods=["GET"]),
-        Route("/readyz", endpoints.Readyz(state), methods=["GET"]),
-        Route("/metrics", endpoints.MetricsEndpoint(state), methods=["GET"]),
-        WebSocketRoute("/v1/ws", WebSocketEndpoint(state)),
-    ]
-    app = Starlette(
-        routes=routes,
-        lifespan=lifespan,
-        exception_handlers={404: _http_error, 405: _http_error},
-    )
-    app.state.gateway = state
-    return FastPath(app, {path: route.app for route in routes[:2] for path in [route.path]})
+    async def aclose(self) -> None:
+        self.gate.draining = True
+        await self.cache.aclose()
+        await self.fleet.aclose()
 
 
-class FastPath:
-    """``POST`` to a completion path goes straight to its endpoint; everything else
-    (lifespan, WebSocket, the small GETs, 404/405) through Starlette. The completion
-    endpoints handle their own errors, so Starlette's routing and middleware layers are
-    pure per-request cost on the hot path (BENCHMARKS.md)."""
-
-    def __init__(self, app: Starlette, completions: dict[str, object]) -> None:
+class GatewayApp:
+    def __init__(self, gateway: Gateway, app: Starlette, completions: dict[str, AdmissionApp]) -> None:
+        self.gateway = gateway
         self.app = app
-        self.state = app.state
         self._completions = completions
 
     async def __call__(self, scope, receive, send) -> None:
@@ -83,6 +81,34 @@ class FastPath:
             if endpoint is not None:
                 return await endpoint(scope, receive, send)
         await self.app(scope, receive, send)
+
+
+def create_app(settings: Settings, *, metrics: Metrics | None = None) -> GatewayApp:
+    gateway = Gateway(settings, metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await gateway.start()
+        try:
+            yield
+        finally:
+            await gateway.aclose()
+
+    pipeline, gate = gateway.pipeline, gateway.gate
+    completions = {
+        "/v1/chat/completions": AdmissionApp(CompletionsApp(pipeline, gateway.metrics, CHAT), gate, "chat"),
+        "/v1/completions": AdmissionApp(CompletionsApp(pipeline, gateway.metrics, COMPLETION), gate, "completions"),
+    }
+    routes = [
+        *(Route(path, app, methods=["POST"]) for path, app in completions.items()),
+        Route("/v1/models", ModelsApp(gateway.fleet), methods=["GET"]),
+        Route("/healthz", HealthzApp(), methods=["GET"]),
+        Route("/readyz", ReadyzApp(gateway), methods=["GET"]),
+        Route("/metrics", MetricsApp(gateway.metrics), methods=["GET"]),
+        WebSocketRoute("/v1/ws", WebSocketApp(pipeline, gate, gateway.metrics)),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: _http_error, 405: _http_error})
+    return GatewayApp(gateway, app, completions)
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:

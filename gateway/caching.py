@@ -1,14 +1,14 @@
 """The exact-response cache on the gateway's path: plan, look up, coalesce, record, store.
 
-``cache/`` owns keys, policy, backends, replay and single-flight; this module applies them
-to one request: which tenant it belongs to, what its ``Cache-Control`` allows, how a hit is
-replayed in the shape asked for, and how the answer of the request that goes upstream (the
-single-flight leader) is recorded, published to its followers and stored once complete.
+``cache/`` owns keys, policy (what is cacheable, ``only-if-cached``, what to ask upstream so
+an answer can be stored), backends, replay and single-flight; this module applies them to
+one request: its tenant and the headers that vary the answer, a hit replayed in the shape
+asked for, and the answer of the request that goes upstream (the single-flight leader)
+recorded, published to its followers and stored once complete.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections.abc import Mapping
@@ -17,34 +17,32 @@ from prometheus_client import CollectorRegistry
 
 import cache
 from cache import CacheConfig, CacheMetrics, Entry, Flight, Plan, as_chunks, as_json
-from cache.policy import is_complete_body, is_complete_stream
-from cache.replay import is_usage_chunk
-from gateway.backends import FollowerReply, ReplayReply
-from gateway.protocol import ParsedRequest
-from gateway.relay import sse_payloads
+from gateway.openai import ParsedRequest
+from gateway.relay import sse_events, sse_payloads
+from gateway.replies import FollowerReply, ReplayReply
 
-__all__ = ["CacheLayer", "Lookup", "Recorder", "tenant_of"]
+__all__ = ["BYPASS", "HIT", "MISS", "CacheLayer", "Lookup", "Recorder"]
 
 logger = logging.getLogger("edgegw.cache")
 
 HIT, MISS, BYPASS = b"HIT", b"MISS", b"BYPASS"
 
 
-def tenant_of(headers: Mapping[str, str], namespace: str) -> str:
-    """The tenant an entry belongs to: a digest of the API key (never the key itself), or
-    the configured namespace for anonymous requests."""
-    auth = headers.get("authorization") or headers.get("x-api-key")
-    if not auth:
-        return namespace
-    return "k:" + hashlib.blake2b(auth.encode(), digest_size=12).hexdigest()
-
-
 class Lookup:
-    __slots__ = ("plan", "key")
+    """One request's plan and key; ``fields``: what to change in the request sent upstream
+    so that its answer can be stored (None: nothing), ``hide_usage``: the client did not
+    ask for the usage chunk that was asked for on its behalf."""
 
-    def __init__(self, plan: Plan, key: str | None) -> None:
+    __slots__ = ("plan", "key", "fields")
+
+    def __init__(self, plan: Plan, key: str | None, fields: dict | None) -> None:
         self.plan = plan
         self.key = key
+        self.fields = fields
+
+    @property
+    def hide_usage(self) -> bool:
+        return self.fields is not None and "stream_options" in self.fields
 
 
 class CacheLayer:
@@ -69,13 +67,15 @@ class CacheLayer:
         if self.backend is not None:
             await self.backend.close()
 
-    def plan(self, parsed: ParsedRequest, headers: Mapping[str, str]) -> Lookup:
+    def plan(self, parsed: ParsedRequest, tenant: str, headers: Mapping[str, str]) -> Lookup:
         directives = cache.parse_cache_control(headers.get("cache-control"))
         plan = cache.plan(parsed.data, directives, self.config.ttl_for(parsed.kind), self.config.default_greedy)
         if not plan.lookup and not plan.store:
             self.metrics.bypass(plan.reason)
-            return Lookup(plan, None)
-        return Lookup(plan, cache.make_key(tenant_of(headers, self.config.namespace), parsed.kind, parsed.data))
+            return Lookup(plan, None, None)
+        vary = tuple((name, headers[name]) for name in self.config.vary_headers if name in headers)
+        key = cache.make_key(tenant, parsed.kind, parsed.data, vary)
+        return Lookup(plan, key, cache.recording_fields(parsed.data, plan))
 
     async def get(self, lookup: Lookup) -> Entry | None:
         return await self.backend.get(lookup.key, max_age=lookup.plan.max_age)
@@ -98,19 +98,18 @@ class CacheLayer:
 
 
 class Recorder:
-    """Records the leader's answer as it is relayed, publishes it to followers, and
-    stores it when it completed. The leader's stream asks the upstream for usage (so the
-    entry can answer clients that want it); ``hide_usage`` keeps it from a client that
-    did not ask."""
+    """Records the leader's answer as it is relayed, publishes it to followers, and stores
+    it when it completed; ``hide_usage`` keeps the usage chunk asked for on the client's
+    behalf from a client that did not ask."""
 
     __slots__ = ("layer", "lookup", "flight", "kind", "hide_usage", "chunks", "saw_done", "body")
 
-    def __init__(self, layer: CacheLayer, lookup: Lookup, flight: Flight | None, kind: str, hide_usage: bool) -> None:
+    def __init__(self, layer: CacheLayer, lookup: Lookup, flight: Flight | None, kind: str) -> None:
         self.layer = layer
         self.lookup = lookup
         self.flight = flight
         self.kind = kind
-        self.hide_usage = hide_usage
+        self.hide_usage = lookup.hide_usage
         self.chunks: list[bytes] = []  # the flight holds them for followers anyway
         self.saw_done = False
         self.body: bytes | None = None
@@ -126,12 +125,10 @@ class Recorder:
             self.chunks.append(payload)
             if self.flight is not None:
                 await self.flight.publish(payload)
-            if self.hide_usage and is_usage_chunk(payload):
+            if self.hide_usage and cache.is_usage_chunk(payload):
                 hidden = True
         if hidden:
-            return b"".join(
-                [b"data: " + p + b"\n\n" for p in payloads if not (p != b"[DONE]" and is_usage_chunk(p))]
-            )
+            return sse_events([p for p in payloads if p == b"[DONE]" or not cache.is_usage_chunk(p)])
         return events
 
     async def finish(self, ok: bool) -> bool:
@@ -140,9 +137,9 @@ class Recorder:
         entry = None
         if ok:
             if self.body is not None:
-                if is_complete_body(self.body):
+                if cache.is_complete_body(self.body):
                     entry = Entry(self.kind, body=self.body, created_at=time.time())
-            elif self.chunks and is_complete_stream(self.chunks, self.saw_done):
+            elif self.chunks and cache.is_complete_stream(self.chunks, self.saw_done):
                 entry = Entry(self.kind, chunks=self.chunks, created_at=time.time())
         if entry is None:
             if self.flight is not None:

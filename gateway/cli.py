@@ -23,7 +23,7 @@ import uvicorn
 from cache import CacheConfig
 from gateway.app import create_app
 from gateway.settings import ConfigError, Settings, load_settings, quickstart_settings
-from routing import ClusterSpec, RouteDecision, RoutingError, Target, TargetKind
+from routing import ClusterSpec, RoutingError, describe
 from routing import explain as explain_route
 
 __all__ = ["main"]
@@ -143,54 +143,8 @@ def _explain(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.write(orjson.dumps(decision.to_dict(), option=orjson.OPT_INDENT_2).decode() + "\n")
     else:
-        sys.stdout.write(_describe_decision(decision))
+        sys.stdout.write(describe(decision))
     return 0
-
-
-def _describe_decision(d: RouteDecision) -> str:
-    loc = d.location
-    if loc is None:
-        where = "unknown (not in the GeoIP database)"
-    else:
-        place = ", ".join(p for p in (loc.city, loc.country) if p) or "?"
-        coords = "" if loc.latitude is None else f" ({loc.latitude:.2f}, {loc.longitude:.2f})"
-        where = f"{place}{coords}"
-    lines = [
-        f"client ip:  {d.client_ip or '-'}",
-        f"location:   {where}",
-        f"region:     {d.region}",
-        f"model:      {d.requested_model} -> {d.model}",
-        f"target:     {_describe_target(d.target)}",
-    ]
-    if d.fallbacks:
-        lines.append("fallbacks:")
-        lines += [f"  {i}. {_describe_target(t)}" for i, t in enumerate(d.fallbacks, 1)]
-    else:
-        lines.append("fallbacks:  none")
-    lines.append(f"budget:     {d.budget_ms:.0f} ms")
-    if d.hedge_target is not None and d.hedge_after_ms is not None:
-        lines.append(f"hedge:      {d.hedge_target.label()} after {d.hedge_after_ms:.0f} ms without a first token")
-    else:
-        lines.append("hedge:      none")
-    if d.cascade_threshold is not None:
-        lines.append(f"cascade:    escalate if the edge answer's mean logprob < {d.cascade_threshold:g}")
-    else:
-        lines.append("cascade:    none")
-    if d.degraded:
-        lines.append("degraded:   yes")
-    if d.affinity is not None:
-        lines.append(f"affinity:   {d.affinity}")
-    lines.append("reasons:")
-    lines += [f"  - {r}" for r in d.reasons]
-    lines.append(f"header:     x-edgegw-route: {d.header_value()}")
-    return "\n".join(lines) + "\n"
-
-
-def _describe_target(t: Target) -> str:
-    pred = "" if t.predicted_ttft_ms is None else f", predicted TTFT {t.predicted_ttft_ms:.0f} ms"
-    if t.kind is TargetKind.ENDPOINT:
-        return f"{t.cluster} @ {t.endpoint} (region {t.region}, model {t.model}{pred})"
-    return f"{t.kind.value} (region {t.region}, model {t.model}{pred})"
 
 
 def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -270,7 +224,7 @@ class _DrainingServer(uvicorn.Server):
                 self._captured_signals.clear()  # drained cleanly: exit 0, not by the signal
 
     def handle_exit(self, sig, frame) -> None:
-        gateway = getattr(getattr(self.config.app, "state", None), "gateway", None)
+        gateway = getattr(self.config.app, "gateway", None)
         if gateway is not None:
-            gateway.draining = True
+            gateway.gate.draining = True
         super().handle_exit(sig, frame)

@@ -1,19 +1,24 @@
-"""The in-process edge engine as a gateway backend.
+"""The in-process edge engine as a gateway backend: ``EdgeBackend`` and its ``EngineReply``.
 
 Imported only when ``edge.enabled`` is set: the engine needs torch (the ``engine`` extra),
-and a gateway that only relays should neither need it installed nor pay for importing it.
-Engine errors are translated into ``gateway.errors`` here.
+and a gateway that only relays should neither need it installed nor pay for importing it
+(which is also why ``EngineReply`` lives here and not beside the other kinds of ``Reply``).
+Engine errors are translated into ``gateway.errors`` here. Preparing a request (chat
+template, tokenising: work that grows with the prompt) runs on a worker thread, never on
+the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 
-from edge_engine import Engine, EngineConfig, EngineError, EngineOverloadedError, InvalidRequestError, OpenAIServing
+from edge_engine import Engine, EngineError, EngineOverloadedError, InvalidRequestError, OpenAIServing
 from edge_engine.serving import PreparedRequest
-from gateway.backends import JSON, SSE, Paced, Reply
 from gateway.errors import GatewayError, InvalidRequest, NoHealthyUpstream, Overloaded, UpstreamError
-from gateway.relay import DONE
+from gateway.observability import Sample
+from gateway.relay import DONE, sse_event
+from gateway.replies import JSON, SSE, Paced, Reply
 from gateway.settings import EdgeSettings
 from routing import EdgeStats
 
@@ -66,7 +71,7 @@ class EngineReply(Reply):
             raise engine_error(exc) from None
         if chunk is Paced.QUIET:
             return None
-        return b"data: " + chunk + b"\n\n"
+        return sse_event(chunk)
 
     async def aclose(self) -> None:
         if self._chunks is not None:
@@ -83,7 +88,7 @@ class EdgeBackend:
 
     @classmethod
     async def start(cls, settings: EdgeSettings) -> EdgeBackend:
-        engine = await asyncio.to_thread(Engine, engine_config(settings))
+        engine = await asyncio.to_thread(Engine, settings.engine_config())
         await engine.start()
         return cls(engine)
 
@@ -94,16 +99,16 @@ class EdgeBackend:
     def is_running(self) -> bool:
         return self.engine.is_running
 
-    def check(self, kind: str, data: dict) -> None:
+    async def check(self, kind: str, data: dict) -> None:
         """Raise the gateway error the engine would answer ``data`` with, if any."""
         try:
-            self.serving.prepare(kind, data)
+            await asyncio.to_thread(self.serving.prepare, kind, data)
         except EngineError as exc:
             raise engine_error(exc) from None
 
-    def reply(self, kind: str, data: dict, request_id: str, ping: float) -> EngineReply:
+    async def reply(self, kind: str, data: dict, request_id: str, ping: float) -> EngineReply:
         try:
-            prepared = self.serving.prepare(kind, data)
+            prepared = await asyncio.to_thread(self.serving.prepare, kind, data)
         except EngineError as exc:
             raise engine_error(exc) from None
         return EngineReply(self.serving, prepared, request_id, ping)
@@ -121,20 +126,15 @@ class EdgeBackend:
             healthy=self.engine.is_running,
         )
 
-
-def engine_config(settings: EdgeSettings) -> EngineConfig:
-    return EngineConfig(
-        model=settings.model,
-        model_name=settings.served_name,
-        dtype=settings.dtype,
-        device=settings.device,
-        num_kv_blocks=settings.num_kv_blocks,
-        kv_cache_memory_fraction=settings.kv_cache_memory_fraction,
-        max_kv_cache_tokens=settings.max_kv_cache_tokens,
-        max_model_len=settings.max_model_len,
-        max_num_seqs=settings.max_num_seqs,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-        max_queue_len=settings.max_queue_len,
-        enable_prefix_caching=settings.enable_prefix_caching,
-        num_threads=settings.num_threads,
-    )
+    def gauges(self) -> Iterator[Sample]:
+        stats = self.engine.stats()
+        yield "edgegw_edge_waiting", "Sequences waiting in the edge engine.", {}, stats.num_waiting
+        yield "edgegw_edge_running", "Sequences running in the edge engine.", {}, stats.num_running
+        yield "edgegw_edge_kv_blocks_used", "KV cache blocks in use.", {}, stats.num_kv_blocks_used
+        yield "edgegw_edge_kv_blocks_total", "KV cache blocks in the pool.", {}, stats.num_kv_blocks_total
+        yield "edgegw_edge_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache.", {}, stats.prefix_cache_hit_rate
+        yield "edgegw_edge_preemptions", "Sequences preempted since start.", {}, stats.num_preemptions
+        if stats.ttft_ms_p50 is not None:
+            yield "edgegw_edge_ttft_p50_seconds", "Recent median TTFT of the engine.", {}, stats.ttft_ms_p50 / 1e3
+        if stats.tpot_ms_p50 is not None:
+            yield "edgegw_edge_tpot_p50_seconds", "Recent median time per output token.", {}, stats.tpot_ms_p50 / 1e3

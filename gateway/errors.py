@@ -8,6 +8,7 @@ GatewayError                       -> {"error": {"message", "type", "param", "co
 ├── InvalidRequest          400    malformed JSON, missing or invalid fields
 ├── AuthenticationError     401    missing or unknown API key
 ├── ModelNotFound           404    no cluster and no engine serves the model
+├── RequestTimeout          408    the request body did not arrive within limits.body_timeout_s
 ├── PayloadTooLarge         413    request body over limits.max_body_bytes
 ├── RateLimited             429    tenant over its rate (Retry-After)
 ├── UpstreamError           502    upstream broke or answered nonsense
@@ -15,6 +16,8 @@ GatewayError                       -> {"error": {"message", "type", "param", "co
 ├── Overloaded              503    admission queue full (Retry-After)
 ├── NoHealthyUpstream       503    every endpoint of the cluster is down (Retry-After)
 └── UpstreamTimeout         504    no byte from the upstream within the read timeout
+
+``ClientGone`` is not a ``GatewayError``: nobody is left to answer.
 
 Upstream transport errors (``UpstreamConnectError``, ``UpstreamProtocolError``,
 ``UpstreamReadTimeout``, ``PoolTimeout``) are raised by ``gateway.upstream`` and are
@@ -31,6 +34,8 @@ __all__ = [
     "AuthenticationError",
     "ModelNotFound",
     "PayloadTooLarge",
+    "RequestTimeout",
+    "ClientGone",
     "RateLimited",
     "UpstreamError",
     "UpstreamConnectError",
@@ -41,7 +46,10 @@ __all__ = [
     "UpstreamTimeout",
     "UpstreamReadTimeout",
     "error_body",
+    "send_error",
 ]
+
+_JSON = (b"content-type", b"application/json")
 
 
 class GatewayError(Exception):
@@ -89,6 +97,12 @@ class ModelNotFound(GatewayError):
     status = 404
     type = "invalid_request_error"
     code = "model_not_found"
+
+
+class RequestTimeout(GatewayError):
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
 
 
 class PayloadTooLarge(GatewayError):
@@ -143,5 +157,22 @@ class UpstreamReadTimeout(UpstreamTimeout):
     pass
 
 
+class ClientGone(Exception):
+    """The client disconnected while its request was being read (not an error to answer)."""
+
+
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> bytes:
     return orjson.dumps({"error": {"message": message, "type": type, "param": param, "code": code}})
+
+
+async def send_error(send, exc: GatewayError, headers: list[tuple[bytes, bytes]] = ()) -> None:
+    """Answer an HTTP request with ``exc`` as an OpenAI-shaped JSON error."""
+    body = exc.body()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": exc.status,
+            "headers": [_JSON, (b"content-length", str(len(body)).encode()), *headers, *exc.headers()],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})

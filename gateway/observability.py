@@ -1,33 +1,32 @@
 """Where each millisecond went: the per-request stage timer, Server-Timing, Prometheus.
 
-Stages (Server-Timing names):
-  admit     request read and parsed, admission passed
+Stages (Server-Timing names), each starting where the previous one ended:
+  admit     request read, admission passed
+  cache     the cache lookup (``desc``: hit, coalesced)
   route     the routing decision
-  cache     the cache lookup
   pool      waiting for an upstream connection (connect included when a new one opened)
   upstream  from sending the request to the upstream's response headers (its queue + prefill
             for a streaming server that sends headers with the first token)
   engine    the in-process edge engine: chat template and tokenisation (its time to the
             first token shows in the TTFT histogram; non-streaming answers in ``total``)
   total     everything up to the moment the header is sent (non-streaming: the whole answer)
+
+Metric labels say what they hold: ``api`` (chat | completions | ws), ``model``, ``target``
+(an endpoint URL, ``edge``, ``cache`` or ``coalesced``), ``endpoint`` (an endpoint URL).
 """
 
 from __future__ import annotations
 
-import logging
 import time
-
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
-__all__ = ["Timing", "Metrics", "Sample"]
+__all__ = ["Metrics", "Sample", "Series", "Timing"]
 
 # (metric name, help, labels, value): a gauge read from live state at scrape time
 Sample = tuple[str, str, dict[str, str], float]
-
-access_log = logging.getLogger("edgegw.access")
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _GAP_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
@@ -58,10 +57,6 @@ class Timing:
         self.stages.append(("upstream", now - self._mark - pool_wait, desc))
         self._mark = now
 
-    def add(self, name: str, seconds: float, desc: str | None = None) -> None:
-        """Record a stage measured elsewhere (it does not move the running mark)."""
-        self.stages.append((name, seconds, desc))
-
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
 
@@ -76,49 +71,46 @@ class Timing:
         return ", ".join(parts).encode()
 
 
-class _Series:
-    """The labelled children for one (model, upstream) pair, resolved once."""
+class Series:
+    """The labelled children for one (model, target) pair, resolved once."""
 
     __slots__ = ("ttft", "gap", "e2e")
 
-    def __init__(self, metrics: Metrics, model: str, upstream: str) -> None:
-        self.ttft = metrics.ttft.labels(model, upstream)
-        self.gap = metrics.inter_token.labels(model, upstream)
-        self.e2e = metrics.e2e.labels(model, upstream)
+    def __init__(self, metrics: Metrics, model: str, target: str) -> None:
+        self.ttft = metrics.ttft.labels(model, target)
+        self.gap = metrics.inter_token.labels(model, target)
+        self.e2e = metrics.e2e.labels(model, target)
 
 
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry = registry if registry is not None else CollectorRegistry()
         self.requests = Counter(
-            "edgegw_requests", "Requests answered, by route kind and status.", ["endpoint", "status"], registry=registry
+            "edgegw_requests", "Requests answered, by API and status (499: the client left).", ["api", "status"], registry=registry
         )
         self.ttft = Histogram(
             "edgegw_ttft_seconds",
             "Time from request arrival to the first relayed token (or full answer when not streaming).",
-            ["model", "upstream"],
+            ["model", "target"],
             buckets=_LATENCY_BUCKETS,
             registry=registry,
         )
         self.inter_token = Histogram(
             "edgegw_inter_token_seconds",
             "Gap between consecutive relayed stream chunks.",
-            ["model", "upstream"],
+            ["model", "target"],
             buckets=_GAP_BUCKETS,
             registry=registry,
         )
         self.e2e = Histogram(
             "edgegw_e2e_seconds",
             "Time from request arrival to the last byte relayed.",
-            ["model", "upstream"],
+            ["model", "target"],
             buckets=_LATENCY_BUCKETS,
             registry=registry,
         )
-        self.stage = Histogram(
-            "edgegw_stage_seconds", "Duration of each gateway stage.", ["stage"], buckets=_LATENCY_BUCKETS, registry=registry
-        )
         self.upstream_errors = Counter(
-            "edgegw_upstream_errors", "Upstream failures, by endpoint and kind.", ["upstream", "kind"], registry=registry
+            "edgegw_upstream_errors", "Upstream failures, by endpoint and kind.", ["endpoint", "kind"], registry=registry
         )
         self.failovers = Counter(
             "edgegw_failovers", "Requests retried on another endpoint before the first byte.", registry=registry
@@ -129,26 +121,26 @@ class Metrics:
             "edgegw_client_disconnects", "Requests whose client left before the end.", registry=registry
         )
         self.in_flight = Gauge("edgegw_in_flight_requests", "Requests being served.", registry=registry)
-        self._series: dict[tuple[str, str], _Series] = {}
+        self._series: dict[tuple[str, str], Series] = {}
         self._counts: dict[tuple[str, int], object] = {}
 
-    def count(self, endpoint: str, status: int) -> None:
-        """``requests{endpoint, status}`` += 1, with the labelled child looked up once."""
-        key = (endpoint, status)
+    def count(self, api: str, status: int) -> None:
+        """``requests{api, status}`` += 1, with the labelled child looked up once."""
+        key = (api, status)
         child = self._counts.get(key)
         if child is None:
-            child = self._counts[key] = self.requests.labels(endpoint, str(status))
+            child = self._counts[key] = self.requests.labels(api, str(status))
         child.inc()
 
     def watch(self, read: Callable[[], Iterable[Sample]]) -> None:
         """Export gauges computed by ``read`` at every scrape."""
         self.registry.register(_LiveGauges(read))
 
-    def series(self, model: str, upstream: str) -> _Series:
-        key = (model, upstream)
+    def series(self, model: str, target: str) -> Series:
+        key = (model, target)
         series = self._series.get(key)
         if series is None:
-            series = self._series[key] = _Series(self, model, upstream)
+            series = self._series[key] = Series(self, model, target)
         return series
 
 

@@ -1,21 +1,99 @@
-"""Moving a streamed answer from a backend to the client, event by event.
+"""Moving an answer from its ``Reply`` to the client: all SSE and WebSocket framing lives here.
 
-``EventReader`` cuts the upstream's SSE bytes at event boundaries (so that a keep-alive
-comment or an error event is never spliced into the middle of an event), hands back each
-run of complete events exactly as received, and reports idleness so the caller can send a
-``: ping`` comment. The body underneath is a bounded buffer (``gateway.upstream.base.Body``):
-while the relay waits on the client, nothing more is read from the upstream.
+- Framing: ``sse_event`` / ``sse_events`` build ``data:`` events, ``sse_payloads`` takes them
+  apart, ``PING`` is the keep-alive comment, ``DONE`` the OpenAI terminator and
+  ``error_event`` an OpenAI-shaped error inside a stream.
+- ``EventReader`` cuts an upstream's SSE bytes at event boundaries (so that a keep-alive
+  comment or an error event is never spliced into the middle of an event), hands back each
+  run of complete events exactly as received, and reports idleness so the caller can send a
+  ``: ping`` comment. The body underneath is a bounded buffer (``gateway.upstream.base.Body``):
+  while the relay waits on the client, nothing more is read from the upstream.
+- ``measured`` is the one event pipeline for every transport: it records the answer for the
+  cache and its single-flight followers, observes TTFT and inter-token gaps, and tells the
+  reply when its first token came and how it ended (which is how routing's health is fed).
+- ``respond_json``, ``respond_sse`` and ``respond_websocket`` write an answer to an HTTP
+  or WebSocket client.
 """
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import orjson
+
 from gateway.errors import GatewayError, UpstreamProtocolError, UpstreamReadTimeout, error_body
 from gateway.upstream.base import Body
 
-__all__ = ["EventReader", "PING", "DONE", "error_event", "sse_payloads"]
+if TYPE_CHECKING:  # annotations only: the pipeline imports this module
+    from gateway.admission import RequestContext
+    from gateway.observability import Series
+    from gateway.pipeline import Answer
+
+__all__ = [
+    "DONE",
+    "PING",
+    "EventReader",
+    "error_event",
+    "measured",
+    "respond_json",
+    "respond_sse",
+    "respond_websocket",
+    "sse_event",
+    "sse_events",
+    "sse_payloads",
+    "ws_error",
+]
 
 PING = b": ping\n\n"
 DONE = b"data: [DONE]\n\n"
+
+_DROP_RESPONSE_HEADERS = frozenset(
+    {
+        b"content-length",
+        b"transfer-encoding",
+        b"connection",
+        b"keep-alive",
+        b"date",
+        b"server",
+        b"server-timing",
+        b"x-request-id",
+    }
+)
+_WS_DONE = '{"type":"done"}'
+
+
+# -- framing ----------------------------------------------------------------------------
+
+
+def sse_event(payload: bytes) -> bytes:
+    """One SSE event carrying ``payload`` (a JSON chunk, or ``[DONE]``)."""
+    return b"data: " + payload + b"\n\n"
+
+
+def sse_events(payloads: list[bytes]) -> bytes:
+    return b"".join([b"data: " + p + b"\n\n" for p in payloads])
+
+
+def sse_payloads(events: bytes) -> list[bytes]:
+    """The ``data`` payload of each event in a run of complete events (comments dropped)."""
+    payloads = []
+    for event in events.replace(b"\r\n", b"\n").split(b"\n\n"):
+        lines = [line[5:].removeprefix(b" ") for line in event.split(b"\n") if line.startswith(b"data:")]
+        if lines:
+            payloads.append(b"\n".join(lines))
+    return payloads
+
+
+def error_event(exc: GatewayError) -> bytes:
+    """An OpenAI-shaped error as an SSE event (what OpenAI clients raise on mid-stream)."""
+    return sse_event(exc.body())
+
+
+def ws_error(status: int, error: dict | None) -> str:
+    return orjson.dumps({"type": "error", "status": status, "error": error}).decode()
 
 
 class EventReader:
@@ -69,16 +147,129 @@ class EventReader:
             return data[:end]
 
 
-def error_event(exc: GatewayError) -> bytes:
-    """An OpenAI-shaped error as an SSE event (what OpenAI clients raise on mid-stream)."""
-    return b"data: " + error_body(exc.message, exc.type, exc.param, exc.code) + b"\n\n"
+# -- the event pipeline -------------------------------------------------------------------
 
 
-def sse_payloads(events: bytes) -> list[bytes]:
-    """The ``data`` payload of each event in a run of complete events (comments dropped)."""
-    payloads = []
-    for event in events.replace(b"\r\n", b"\n").split(b"\n\n"):
-        lines = [line[5:].removeprefix(b" ") for line in event.split(b"\n") if line.startswith(b"data:")]
-        if lines:
-            payloads.append(b"\n".join(lines))
-    return payloads
+async def measured(answer: Answer, series: Series, start: float) -> AsyncIterator[bytes | None]:
+    """The answer's events as the client should get them, for every transport: recorded for
+    the cache and its followers, measured (TTFT, inter-token gaps) and reported to the reply
+    (its first token, its end); ``None`` after a quiet spell. When the reply breaks off, the
+    recording is aborted, the failure reported, and the ``GatewayError`` raised."""
+    reply, recorder = answer.reply, answer.recorder
+    chunks = 0
+    last = 0.0
+    while True:
+        try:
+            events = await reply.next_events()
+        except GatewayError:
+            if recorder is not None:
+                await recorder.finish(False)
+            reply.finish(False, chunks, time.monotonic())
+            raise
+        if events is None:
+            yield None
+            continue
+        if not events:
+            if recorder is not None:
+                await recorder.finish(True)
+            reply.finish(True, chunks, time.monotonic())
+            return
+        now = time.perf_counter()
+        if last:
+            series.gap.observe(now - last)
+        else:
+            series.ttft.observe(now - start)
+            answer.ttft = now - start
+            reply.first_token(time.monotonic())
+        last = now
+        chunks += 1
+        yield events if recorder is None else await recorder.feed(events)
+
+
+# -- writers ------------------------------------------------------------------------------
+
+
+def _headers(ctx: RequestContext, answer: Answer) -> list[tuple[bytes, bytes]]:
+    reply = answer.reply
+    headers = [(k, v) for k, v in reply.headers if k not in _DROP_RESPONSE_HEADERS]
+    headers.append((b"x-request-id", ctx.request_id))
+    headers += answer.headers()
+    return headers
+
+
+async def respond_json(send, ctx: RequestContext, answer: Answer, series: Series) -> None:
+    """A whole answer (non-streaming, or an error status from the backend) in one body."""
+    reply = answer.reply
+    data = await reply.read_body()
+    ok = reply.status < 400
+    if answer.recorder is not None:
+        answer.recorder.body = data
+        await answer.recorder.finish(ok)
+    headers = _headers(ctx, answer)
+    headers.append((b"content-length", str(len(data)).encode()))
+    headers.append((b"server-timing", ctx.timing.header()))
+    ctx.status = reply.status
+    await send({"type": "http.response.start", "status": reply.status, "headers": headers})
+    ctx.responded()
+    await send({"type": "http.response.body", "body": data})
+    if ok:
+        elapsed = ctx.timing.elapsed()
+        series.e2e.observe(elapsed)
+        # a JSON answer's first byte is its last: its time is an end-to-end figure, not a TTFT
+        reply.finish(True, 1, time.monotonic())
+
+
+async def respond_sse(send, ctx: RequestContext, answer: Answer, series: Series) -> None:
+    """Relay the answer as SSE: headers at once, then each run of events as it comes, a
+    ``: ping`` comment after each quiet spell; a reply that breaks off ends the stream with
+    an OpenAI error event and ``[DONE]``."""
+    reply = answer.reply
+    headers = _headers(ctx, answer)
+    if not any(name == b"cache-control" for name, _ in headers):
+        headers.append((b"cache-control", b"no-cache"))
+    headers.append((b"x-accel-buffering", b"no"))
+    headers.append((b"server-timing", ctx.timing.header()))
+    ctx.status = reply.status
+    await send({"type": "http.response.start", "status": reply.status, "headers": headers})
+    message = {"type": "http.response.body", "body": b"", "more_body": True}
+    try:
+        async with contextlib.aclosing(measured(answer, series, ctx.timing.start)) as stream:
+            async for events in stream:
+                if events is None:
+                    if reply.in_event:
+                        continue
+                    events = PING
+                message["body"] = events
+                await send(message)
+    except GatewayError as exc:
+        answer.failed_mid_stream = exc
+        message["body"] = (b"\n\n" if reply.in_event else b"") + error_event(exc) + DONE
+        await send(message)
+    ctx.responded()
+    await send({"type": "http.response.body", "body": b""})
+    series.e2e.observe(ctx.timing.elapsed())
+
+
+async def respond_websocket(send, ctx: RequestContext, answer: Answer, series: Series) -> None:
+    """The answer over a WebSocket: one text message per chunk (the chunk JSON exactly as
+    the backend produced it), then ``{"type":"done"}``; a failure is an error message."""
+    reply = answer.reply
+    if reply.status >= 400:
+        data = await reply.read_body()
+        try:
+            error = orjson.loads(data).get("error")
+        except (orjson.JSONDecodeError, AttributeError):
+            error = None
+        ctx.status = reply.status
+        await send({"type": "websocket.send", "text": ws_error(reply.status, error)})
+        return
+    ctx.status = reply.status
+    message = {"type": "websocket.send", "text": ""}
+    async with contextlib.aclosing(measured(answer, series, ctx.timing.start)) as stream:
+        async for events in stream:
+            for payload in sse_payloads(events) if events else ():
+                if payload != b"[DONE]":
+                    message["text"] = payload.decode()
+                    await send(message)
+    series.e2e.observe(ctx.timing.elapsed())
+    await send({"type": "websocket.send", "text": _WS_DONE})

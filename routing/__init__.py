@@ -24,10 +24,11 @@ from .config import (
     RoutingConfig,
 )
 from .errors import InvalidTransition, NoRoute, RoutingError, TableError, UnknownModel
-from .features import request_from_openai
+from .explain import describe, explain
+from .features import mean_logprob, request_from_openai
 from .geo import DBIP_ATTRIBUTION, GeoLocator, TrustedProxies, client_address, haversine_km
 from .health import BreakerState, HealthState, RetryBudget
-from .policy import decide, explain, locate_client
+from .policy import cascade_verdict, decide, locate_client
 from .table import RoutingTable
 from .types import (
     ClusterSpec,
@@ -66,11 +67,14 @@ __all__ = [
     "TargetKind",
     "TrustedProxies",
     "UnknownModel",
+    "cascade_verdict",
     "client_address",
     "decide",
+    "describe",
     "explain",
     "haversine_km",
     "locate_client",
+    "mean_logprob",
     "pick",
     "rendezvous_order",
     "request_from_openai",

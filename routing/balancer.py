@@ -72,6 +72,10 @@ def endpoint_cost(h: EndpointHealth, prior_s: float, error_penalty: float) -> fl
     return predicted_ttft_s(h, prior_s) * (h.inflight + 1) * (1.0 + error_penalty * err)
 
 
+# the random source of the power of two choices when the caller brings none (the gateway
+# and reproducible tests bring their own, seeded as they need)
+SHARED_RNG = random.Random()
+
 _M64 = (1 << 64) - 1
 _node_ids: dict[str, int] = {}  # memo: name -> 64-bit id (names are few and long-lived)
 
@@ -120,7 +124,7 @@ def pick(
     records = [health.endpoint(e) for e in endpoints if health.is_available(e, now)]
     return pick_available(
         records, config=config, prior_s=prior_s, affinity_key=affinity_key,
-        rng=rng if rng is not None else health.rng,
+        rng=rng if rng is not None else SHARED_RNG,
     )
 
 

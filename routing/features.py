@@ -7,6 +7,7 @@ beyond what routing needs. The prompt token count is an estimate (characters /
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from hashlib import blake2b
 from typing import Any
@@ -17,7 +18,7 @@ from .config import RoutingConfig
 from .geo import _header
 from .types import Location, RouteRequest
 
-__all__ = ["BUDGET_HEADER", "affinity_key", "estimate_prompt_tokens", "request_from_openai"]
+__all__ = ["BUDGET_HEADER", "affinity_key", "estimate_prompt_tokens", "mean_logprob", "request_from_openai"]
 
 BUDGET_HEADER = "x-latency-budget-ms"
 
@@ -138,3 +139,20 @@ def request_from_openai(
         location=location,
         cache_hit=cache_hit,
     )
+
+
+def mean_logprob(answer: Mapping[str, Any]) -> float | None:
+    """The mean token logprob of a chat or completions answer (its ``logprobs``), or None
+    when it carries none."""
+    values: list[float] = []
+    choices = answer.get("choices")
+    for choice in choices if isinstance(choices, list) else ():
+        logprobs = choice.get("logprobs") if isinstance(choice, dict) else None
+        if not isinstance(logprobs, dict):
+            continue
+        if isinstance(logprobs.get("content"), list):  # chat
+            values += [t.get("logprob") for t in logprobs["content"] if isinstance(t, dict)]
+        elif isinstance(logprobs.get("token_logprobs"), list):  # completions
+            values += logprobs["token_logprobs"]
+    finite = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
+    return sum(finite) / len(finite) if finite else None

@@ -29,7 +29,6 @@ Retry budget: retries and hedges are allowed while they stay under
 from __future__ import annotations
 
 import enum
-import random
 from collections import deque
 from collections.abc import Iterable
 from typing import Any
@@ -188,11 +187,7 @@ class RetryBudget:
 
 
 class HealthState:
-    """Per-endpoint live state for a gateway process, fed by the gateway.
-
-    ``rng`` is the random source of the power-of-two-choices balancer (seed it for
-    reproducible tests and benchmarks).
-    """
+    """Per-endpoint live state for a gateway process, fed by the gateway."""
 
     def __init__(
         self,
@@ -200,11 +195,9 @@ class HealthState:
         *,
         ewma_alpha: float = BalancerConfig().ewma_alpha,
         endpoints: Iterable[str] = (),
-        seed: int | None = None,
     ) -> None:
         self.config = config if config is not None else HealthConfig()
         self.alpha = ewma_alpha
-        self.rng = random.Random(seed)
         self.retry_budget = RetryBudget(
             self.config.retry_budget_ratio,
             self.config.retry_budget_min,
@@ -216,9 +209,9 @@ class HealthState:
 
     @classmethod
     def from_config(
-        cls, config: RoutingConfig, endpoints: Iterable[str] = (), *, seed: int | None = None
+        cls, config: RoutingConfig, endpoints: Iterable[str] = ()
     ) -> "HealthState":
-        return cls(config.health, ewma_alpha=config.balancer.ewma_alpha, endpoints=endpoints, seed=seed)
+        return cls(config.health, ewma_alpha=config.balancer.ewma_alpha, endpoints=endpoints)
 
     # -- access -------------------------------------------------------------------
 

@@ -31,27 +31,28 @@ Rules, in order:
 6. A cache hit (``request.cache_hit``) puts the cache first and the computed route
    behind it as fallbacks (or alone, if nothing else is reachable).
 
-``explain(...)`` does client address -> location -> request features -> decide in one
-call, for ``edgegw explain``.
+``cascade_verdict`` is rule 5's second half: given the edge's answer, escalate or keep.
+``routing.explain`` runs address -> location -> features -> decide in one call and puts the
+decision in words, for ``edgegw explain``.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
-from .balancer import pick_available, predicted_ttft_s, rendezvous_weight
-from .config import AUTO, EDGE, RoutingConfig
+from .balancer import SHARED_RNG, pick_available, predicted_ttft_s, rendezvous_weight
+from .config import AUTO, EDGE
 from .errors import NoRoute
-from .features import request_from_openai
+from .features import mean_logprob
 from .geo import GeoLocator, client_address
 from .health import EndpointHealth, HealthState
 from .table import Cluster, RoutingTable
-from .types import ClusterSpec, EdgeStats, Location, RouteDecision, RouteRequest, Target, TargetKind
+from .types import EdgeStats, Location, RouteDecision, RouteRequest, Target, TargetKind
 
-__all__ = ["decide", "explain", "locate_client"]
+__all__ = ["cascade_verdict", "decide", "locate_client"]
 
 _ENDPOINT = TargetKind.ENDPOINT
 _EDGE = TargetKind.EDGE
@@ -132,7 +133,7 @@ def _central_targets(
         config=cfg.balancer,
         prior_s=prior_s,
         affinity_key=request.affinity_key,
-        rng=rng if rng is not None else health.rng,
+        rng=rng if rng is not None else SHARED_RNG,
         costs=costs,
     )
     assert chosen is not None  # the cluster has an available endpoint
@@ -207,7 +208,7 @@ def decide(
     """Decide where ``request`` goes. See the module docstring for the rules.
 
     ``edge``: a snapshot of the in-process engine (``None``: assume idle if the table
-    has one). ``rng``: the balancer's random source (default ``health.rng``).
+    has one). ``rng``: the balancer's random source (seed one for reproducible runs).
     Raises ``UnknownModel`` for a model served nowhere and ``NoRoute`` when nothing
     can serve the request (``retry_after_s`` set when breakers will half-open).
     """
@@ -396,36 +397,10 @@ def locate_client(
     return ip, location
 
 
-def explain(
-    config: RoutingConfig,
-    clusters: Sequence[ClusterSpec],
-    peer_ip: str,
-    headers: Mapping[str, str],
-    body: Mapping[str, Any],
-    now: float,
-    *,
-    edge_model: str | None = None,
-    edge: EdgeStats | None = None,
-    health: HealthState | None = None,
-    geo: GeoLocator | None = None,
-    cache_hit: bool = False,
-) -> RouteDecision:
-    """Resolve the client, locate it, extract features and decide, in one call.
 
-    For ``edgegw explain --config FILE --ip PEER --header 'Name: value' --body FILE``.
-    With no ``health`` a fresh state is used (nothing measured, every breaker closed).
-    With no ``geo`` the configured database (or the embedded DB-IP) is opened for the
-    call and closed after; pass a ``GeoLocator`` to reuse one.
-    """
-    table = RoutingTable.build(config, clusters, edge_model)
-    if health is None:
-        health = HealthState.from_config(config, table.endpoint_ids(), seed=0)
-    own_geo = geo is None
-    locator = GeoLocator.open(config.geoip_db) if own_geo else geo
-    try:
-        ip, location = locate_client(table, locator, peer_ip, headers)
-    finally:
-        if own_geo and locator is not None:
-            locator.close()
-    request = request_from_openai(body, headers, config, client_ip=ip, location=location, cache_hit=cache_hit)
-    return decide(request, table, health, now, edge=edge)
+def cascade_verdict(answer: Mapping[str, Any], threshold: float) -> tuple[bool, float | None]:
+    """(escalate?, mean token logprob) for an edge ``answer`` under a decision's
+    ``cascade_threshold``: escalate when the answer's mean token logprob is below it. An
+    answer without logprobs is kept (nothing says it is unsure)."""
+    mean = mean_logprob(answer)
+    return (mean is not None and mean < threshold), mean

@@ -48,7 +48,7 @@ class GatewayThread:
 
     @property
     def state(self):
-        return self.app.state.gateway
+        return self.app.gateway
 
     def start(self, timeout: float = 20) -> GatewayThread:
         self.thread.start()

@@ -1,4 +1,12 @@
-"""Connection pools to inference servers, one ``Upstream`` per configured endpoint."""
+"""Connection pools to inference servers, one ``Upstream`` per configured endpoint.
+
+An endpoint's URL is a base URL the way OpenAI clients take one (the openai SDK's
+``base_url``, vLLM's docs, LiteLLM's ``api_base``): ``http://host:8000/v1`` or
+``https://host/openai/v1``; the API paths are appended to it (``<base>/chat/completions``,
+``<base>/completions``, ``<base>/models``). A bare origin (``http://host:8000``) means
+``http://host:8000/v1``. Health probes go to ``routing.health.probe_path`` on the origin
+(vLLM's and SGLang's ``/health`` live there, outside ``/v1``).
+"""
 
 from __future__ import annotations
 
@@ -15,7 +23,8 @@ from gateway.upstream.transport import PoolTransport
 
 __all__ = ["Upstream", "UpstreamResponse", "Body", "Origin", "Pool", "PoolTransport", "H1Pool", "H2Pool", "Timeouts"]
 
-_USER_AGENT = (b"user-agent", b"edgegw/0.1")
+_JSON = (b"content-type", b"application/json")
+_API_PATHS = {"chat": b"/chat/completions", "completion": b"/completions"}
 
 
 class Upstream:
@@ -36,7 +45,8 @@ class Upstream:
         self.cluster = cluster
         self.protocol = settings.protocol
         self.settings = settings
-        self.prefix = parts.path.rstrip("/").encode()
+        self.base = (parts.path.rstrip("/") or "/v1").encode()
+        self.models_url = self.base.decode() + "/models"
         self.timeouts = Timeouts(
             settings.connect_timeout_s, settings.read_timeout_s, settings.write_timeout_s, settings.pool_timeout_s
         )
@@ -51,12 +61,12 @@ class Upstream:
             timeouts=self.timeouts,
             high_water=high_water,
         )
-        self.headers: list[tuple[bytes, bytes]] = [_USER_AGENT]
+        self.headers: list[tuple[bytes, bytes]] = [_JSON]
         key = endpoint_api_key(settings)
         if key:
             self.headers.append((b"authorization", b"Bearer " + key.encode()))
         self.client = httpx.AsyncClient(
-            base_url=settings.url,
+            base_url=f"{parts.scheme}://{parts.netloc}",
             transport=PoolTransport(self.pool, settings.read_timeout_s),
             timeout=httpx.Timeout(
                 settings.read_timeout_s,
@@ -67,8 +77,9 @@ class Upstream:
             headers={"authorization": f"Bearer {key}"} if key else None,
         )
 
-    async def request(self, path: bytes, headers: list[tuple[bytes, bytes]], body: bytes) -> UpstreamResponse:
-        return await self.pool.request(b"POST", self.prefix + path, self.headers + headers, body)
+    async def request(self, kind: str, headers: list[tuple[bytes, bytes]], body: bytes) -> UpstreamResponse:
+        """POST ``body`` to the API of ``kind`` ("chat" or "completion") with ``headers``."""
+        return await self.pool.request(b"POST", self.base + _API_PATHS[kind], self.headers + headers, body)
 
     async def aclose(self) -> None:
         await self.client.aclose()  # closes the pool through the transport

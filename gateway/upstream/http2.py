@@ -328,7 +328,9 @@ class H2Pool:
         self._high_water = high_water
         self._conns: list[_H2Connection] = []
         self._opening: asyncio.Future[_H2Connection] | None = None
+        self._connecting = 0  # warm-up connections being opened
         self._waiters: deque[asyncio.Future[None]] = deque()
+        self._tasks: set[asyncio.Task] = set()
         self._closed = False
 
     async def request(
@@ -358,14 +360,34 @@ class H2Pool:
         raise AssertionError("unreachable")
 
     async def warm(self) -> None:
-        if self._warm and not self._conns and not self._closed:
-            try:
-                await self._open()
-            except GatewayError as exc:
-                logger.warning("warm-up of %s failed: %s", self._origin, exc.message)
+        """Open connections up to ``warm_connections`` now (a new connection costs a TCP,
+        TLS and HTTP/2 handshake: the first requests should not pay for it)."""
+        missing = self._warm - len(self._conns) - self._connecting
+        if missing <= 0 or self._closed:
+            return
+        results = await asyncio.gather(*[self._open_warm() for _ in range(missing)], return_exceptions=True)
+        for result in results:
+            if isinstance(result, GatewayError):
+                logger.warning("warm-up of %s failed: %s", self._origin, result.message)
+                break
+
+    async def _open_warm(self) -> _H2Connection:
+        self._connecting += 1
+        try:
+            conn = await self._connect()
+        finally:
+            self._connecting -= 1
+        if self._closed:
+            conn.close()
+        else:
+            self._conns.append(conn)
+            self._stream_done(conn)  # a waiter for a stream may take it
+        return conn
 
     async def aclose(self) -> None:
         self._closed = True
+        for task in list(self._tasks):
+            task.cancel()
         for conn in list(self._conns):
             conn.close()
         self._conns.clear()
@@ -448,11 +470,21 @@ class H2Pool:
                 return
 
     def _lost(self, conn: _H2Connection) -> None:
+        """A connection went away or received GOAWAY: forget it, and open another if the
+        pool is now below ``warm_connections``."""
         try:
             self._conns.remove(conn)
         except ValueError:
-            pass
+            return
         self._stream_done(conn)
+        if not self._closed and len(self._conns) + self._connecting < self._warm:
+            task = self._loop.create_task(self._rewarm())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _rewarm(self) -> None:
+        await asyncio.sleep(0.05)
+        await self.warm()
 
 
 def _wake(waiter: asyncio.Future) -> None:

@@ -59,7 +59,7 @@ def test_client_disconnect_mid_stream_closes_the_upstream_request(upstreams, gat
     time.sleep(0.3)
     assert seen.chunks_sent == sent < 200
     assert not seen.finished
-    assert wait_for(lambda: gw.state.in_flight == 0)
+    assert wait_for(lambda: gw.state.gate.in_flight == 0)
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
@@ -70,7 +70,7 @@ def test_client_disconnect_before_first_byte_cancels_the_upstream(upstreams, gat
     assert wait_for(lambda: len(fake.requests) == 1)
     sock.close()
     assert wait_for(fake.requests[0].disconnected.is_set, 3)
-    assert wait_for(lambda: gw.state.in_flight == 0)
+    assert wait_for(lambda: gw.state.gate.in_flight == 0)
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
@@ -134,7 +134,7 @@ def test_websocket_relay(upstreams, gateways, protocol):
         assert orjson.loads(ws.recv(timeout=5))["status"] == 400
     assert all(r.body["stream"] is True for r in fake.requests)
     # a WebSocket stream feeds routing's view of the endpoint like an SSE one
-    endpoint = gw.state.dispatcher.health.endpoint(fake.url)
+    endpoint = gw.state.fleet.health.endpoint(fake.url)
     assert endpoint.ttft_s is not None and endpoint.inflight == 0
 
 
@@ -150,7 +150,7 @@ def test_websocket_close_cancels_the_upstream(upstreams, gateways, protocol):
     seen = fake.requests[-1]
     assert wait_for(seen.disconnected.is_set, 3)
     assert seen.chunks_sent < 300
-    assert wait_for(lambda: gw.state.in_flight == 0)
+    assert wait_for(lambda: gw.state.gate.in_flight == 0)
 
 
 def test_sigterm_drains_a_live_stream(upstreams, gateway_processes):

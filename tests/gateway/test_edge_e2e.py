@@ -66,7 +66,7 @@ def test_edge_errors_name_the_parameter(edge_gateway):
 
 
 def test_client_disconnect_frees_the_engine_sequence(edge_gateway):
-    engine = edge_gateway.state.dispatcher.edge.engine
+    engine = edge_gateway.state.fleet.edge.engine
     host, port = edge_gateway.url.removeprefix("http://").split(":")
     body = orjson.dumps(
         {"model": "smollm2-135m-instruct", "messages": QUESTION, "max_tokens": 1000, "stream": True,

@@ -186,7 +186,7 @@ def test_metrics_record_ttft_per_model_and_upstream(setup):
     fake, gw = setup
     httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "stream": True})
     text = httpx.get(gw.url + "/metrics").text
-    labels = f'model="fake-model",upstream="{fake.url}"'
+    labels = f'model="fake-model",target="{fake.url}"'
     assert f"edgegw_ttft_seconds_count{{{labels}}} 1.0" in text
     assert f"edgegw_inter_token_seconds_count{{{labels}}}" in text
     assert f"edgegw_e2e_seconds_count{{{labels}}} 1.0" in text
@@ -199,7 +199,7 @@ def test_metrics_record_ttft_per_model_and_upstream(setup):
 def test_warm_connections_are_open_before_the_first_request(upstreams, gateways):
     fake = upstreams()
     gw = gateways({"clusters": [cluster(fake, warm_connections=3)]})
-    pool = gw.state.dispatcher.clusters[0].upstreams[0].pool
+    pool = gw.state.fleet.clusters[0].upstreams[0].pool
     assert pool.num_connections == 3
     response = httpx.post(gw.url + "/v1/chat/completions", json=CHAT)
     stages = {p.split(";")[0]: float(p.split("dur=")[1].split(";")[0]) for p in response.headers["server-timing"].split(", ")}
@@ -250,7 +250,7 @@ def test_tls_upstream_with_alpn(upstreams, gateways, certificate, protocol):
     response = httpx.post(gw.url + "/v1/chat/completions", json=body)
     assert response.status_code == 200
     assert response.content == httpx.post(fake.url + "/v1/chat/completions", json=body, verify=False).content
-    pool = gw.state.dispatcher.upstreams[fake.url].pool
+    pool = gw.state.fleet.upstreams[fake.url].pool
     assert pool.protocol == protocol and pool.num_connections >= 1
 
 
@@ -277,4 +277,4 @@ def test_http2_goaway_is_survived(upstreams, gateways):
     # hypercorn hands the stream that crossed its limit to the app, then closes without an
     # answer: the gateway saw no response headers and sent it again
     assert len(fake.requests) >= 16
-    assert gw.state.dispatcher.upstreams[fake.url].pool.num_connections >= 1
+    assert gw.state.fleet.upstreams[fake.url].pool.num_connections >= 1

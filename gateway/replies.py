@@ -1,16 +1,19 @@
-"""What a backend hands the relay: a ``Reply``.
+"""What answers a request: a ``Reply``, whatever produced it.
 
 A reply has a status and headers at once, then either a whole body (``read_body``) or a
 stream of SSE events (``next_events``: complete events as bytes, ``None`` after a quiet
-``ping_interval`` so the relay can send a keep-alive comment, ``b""`` at the end).
+spell so the relay can send a keep-alive, ``b""`` at the end). The relay tells it when its
+first token reached the client (``first_token``) and how it ended (``finish``); ``aclose``
+releases it at any point (the upstream request is cancelled, the engine sequence aborted).
 
-- ``UpstreamReply``: a response from an inference server, read through its bounded body.
-- ``EngineReply`` (``gateway.edge``): the in-process edge engine.
-- ``ReplayReply``: a stored answer from the exact-response cache.
-- ``FollowerReply``: the answer another request is fetching right now (single-flight).
+The kinds:
 
-Errors from the cache are translated into ``gateway.errors`` here (the engine's in
-``gateway.edge``).
+- ``UpstreamReply``: a response from an inference server, read through its bounded body;
+  it reports its first token and its end to the fleet's ``HealthFeed`` (routing's health).
+- ``EngineReply`` (``gateway.edge``, imported only with the engine): the in-process engine.
+- ``ReplayReply``: an answer already in hand (a cache hit, a followed or cascaded body).
+- ``FollowerReply``: the answer an identical request in flight is fetching (single-flight).
+- ``HedgedReply`` (``gateway.dispatch``): a stream raced against a late second attempt.
 """
 
 from __future__ import annotations
@@ -18,14 +21,23 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from typing import Protocol
 
 from cache import Flight, FlightAborted, as_json
 from gateway.errors import UpstreamError
-from gateway.relay import DONE, EventReader
+from gateway.relay import DONE, EventReader, sse_event, sse_events
 from gateway.upstream import Upstream, UpstreamResponse
-from routing import HealthState
 
-__all__ = ["Reply", "UpstreamReply", "ReplayReply", "FollowerReply", "Paced", "SSE", "JSON"]
+__all__ = [
+    "JSON",
+    "SSE",
+    "FollowerReply",
+    "HealthSink",
+    "Paced",
+    "Reply",
+    "ReplayReply",
+    "UpstreamReply",
+]
 
 SSE = (b"content-type", b"text/event-stream; charset=utf-8")
 JSON = (b"content-type", b"application/json")
@@ -34,10 +46,8 @@ JSON = (b"content-type", b"application/json")
 class Reply:
     status = 200
     headers: list[tuple[bytes, bytes]] = []
-    label = "-"  # metrics label: upstream URL, "edge", "cache"
-    upstream: Upstream | None = None
-    pool_wait = 0.0
-    first: bytes | None = None  # events read ahead (hedging waits for the first byte)
+    label = "-"  # the metrics' target label: an endpoint URL, "edge", "cache", "coalesced"
+    pool_wait = 0.0  # seconds spent getting an upstream connection (connect included)
 
     async def read_body(self) -> bytes:
         raise NotImplementedError
@@ -47,28 +57,40 @@ class Reply:
 
     @property
     def in_event(self) -> bool:
+        """Part of an event has been relayed but not its end (no comment may go in now)."""
         return False
+
+    def first_token(self, now: float) -> None:
+        """The first token reached the client at ``now`` (``time.monotonic()``)."""
+
+    def finish(self, ok: bool, chunks: int, now: float) -> None:
+        """The relay is done with this reply: complete (``ok``) or broken off."""
 
     async def aclose(self) -> None:
         pass
 
 
-class UpstreamReply(Reply):
-    """An inference server's response. It reports its end to routing's ``HealthState``
-    exactly once: when the relay finishes it (``end``), or else when it is closed (a 4xx, a
-    hedge's loser, a client gone), so the endpoint's in-flight count never leaks."""
+class HealthSink(Protocol):
+    """Where an upstream reply reports what happened (``gateway.fleet.HealthFeed``)."""
 
-    __slots__ = (
-        "response", "upstream", "status", "headers", "label", "pool_wait", "first",
-        "_reader", "_limit", "_health", "_started_at", "_ended",
-    )
+    def first_token(self, endpoint: str, ttft_s: float, now: float) -> None: ...
+
+    def ended(self, endpoint: str, ok: bool, tokens: int, duration_s: float, now: float, ttft_s: float | None) -> None: ...
+
+
+class UpstreamReply(Reply):
+    """An inference server's response. It reports its end exactly once: when the relay
+    finishes it, or else when it is closed (a 4xx, a hedge's loser, a client gone), so the
+    endpoint's in-flight count never leaks. Its TTFT is measured from when it was sent."""
+
+    __slots__ = ("response", "upstream", "status", "headers", "label", "pool_wait", "sent_at", "_reader", "_limit", "_health", "_ttft", "_ended")
 
     def __init__(
         self,
         response: UpstreamResponse,
         upstream: Upstream,
-        health: HealthState,
-        started_at: float,
+        health: HealthSink,
+        sent_at: float,
         ping: float,
         max_event: int,
         limit: int,
@@ -79,20 +101,12 @@ class UpstreamReply(Reply):
         self.headers = response.headers
         self.label = upstream.url
         self.pool_wait = response.pool_wait
-        self.first = None
+        self.sent_at = sent_at  # time.monotonic() when the request was handed to the pool
         self._reader = EventReader(response.body, ping, upstream.timeouts.read, max_event)
         self._limit = limit
         self._health = health
-        self._started_at = started_at  # time.monotonic() when the request was sent
+        self._ttft: float | None = None
         self._ended = False
-
-    def end(self, ok: bool, chunks: int, duration: float | None = None) -> None:
-        if self._ended:
-            return
-        self._ended = True
-        now = time.monotonic()
-        elapsed = now - self._started_at if duration is None else duration
-        self._health.record_end(self.upstream.url, ok, chunks, elapsed, now)
 
     async def read_body(self) -> bytes:
         return await self.response.body.read_all(self.upstream.timeouts.read, self._limit)
@@ -104,8 +118,19 @@ class UpstreamReply(Reply):
     def in_event(self) -> bool:
         return self._reader.in_event
 
+    def first_token(self, now: float) -> None:
+        if self._ttft is None:
+            self._ttft = now - self.sent_at
+            self._health.first_token(self.upstream.url, self._ttft, now)
+
+    def finish(self, ok: bool, chunks: int, now: float) -> None:
+        if not self._ended:
+            self._ended = True
+            self._health.ended(self.upstream.url, ok, chunks, now - self.sent_at, now, self._ttft)
+
     async def aclose(self) -> None:
-        self.end(True, 0)
+        # closed before the relay finished it: cancelled, not the endpoint's fault
+        self.finish(True, 0, time.monotonic())
         self.response.close()
 
 
@@ -136,6 +161,7 @@ class Paced:
                 await self._pending
             except BaseException:
                 pass
+            self._pending = None
         aclose = getattr(self._items, "aclose", None)
         if aclose is not None:
             await aclose()
@@ -158,29 +184,47 @@ class ReplayReply(Reply):
         chunks, self._chunks = self._chunks, []
         if not chunks:
             return b""
-        return b"".join([b"data: " + c + b"\n\n" for c in chunks]) + DONE
+        return sse_events(chunks) + DONE
 
 
 class FollowerReply(Reply):
-    """Following an identical request in flight: its chunks as they arrive, or its
-    finished entry. Raises ``FlightAborted`` before the first byte when the leader fails,
-    so the caller can go upstream itself."""
+    """Following an identical request in flight: its chunks as they arrive, or its finished
+    entry. ``start()`` waits for the first chunk, and raises ``FlightAborted`` when the leader
+    failed before it, so the caller can go upstream itself."""
 
     label = "coalesced"
 
     def __init__(self, flight: Flight, stream: bool, include_usage: bool, ping: float) -> None:
         self._flight = flight
+        self._stream = stream
         self._include_usage = include_usage
         self._ping = ping
         self.headers = [SSE if stream else JSON]
         self._chunks: Paced | None = None
+        self._ahead: bytes | None = None
+        self._body: bytes | None = None
         self._done = False
-        self.started = False
+        self._started = False
+
+    async def start(self) -> None:
+        """Wait for the first chunk (streams) or the whole answer (JSON)."""
+        if not self._stream:
+            self._body = as_json(await self._flight.wait())
+            return
+        events = None
+        while events is None:
+            events = await self.next_events()
+        self._ahead = events
 
     async def read_body(self) -> bytes:
-        return as_json(await self._flight.wait())
+        if self._body is None:
+            self._body = as_json(await self._flight.wait())
+        return self._body
 
     async def next_events(self) -> bytes | None:
+        if self._ahead is not None:
+            events, self._ahead = self._ahead, None
+            return events
         if self._done:
             return b""
         if self._chunks is None:
@@ -192,13 +236,13 @@ class FollowerReply(Reply):
             return DONE
         except FlightAborted:
             self._done = True
-            if not self.started:
+            if not self._started:
                 raise
             raise UpstreamError("the upstream answer this request was following broke off") from None
         if chunk is Paced.QUIET:
             return None
-        self.started = True
-        return b"data: " + chunk + b"\n\n"
+        self._started = True
+        return sse_event(chunk)
 
     async def aclose(self) -> None:
         if self._chunks is not None:

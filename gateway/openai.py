@@ -1,7 +1,8 @@
-"""The OpenAI request as the gateway sees it: read with a byte limit, parsed once, checked.
+"""The OpenAI request parser: the body parsed once (orjson), and the fields the gateway
+itself interprets checked.
 
 Only the fields that routing, caching and relaying need are looked at; the body bytes are
-forwarded unchanged unless a field has to be rewritten.
+forwarded unchanged unless a field has to be rewritten (``with_fields``).
 """
 
 from __future__ import annotations
@@ -10,9 +11,9 @@ from typing import Any
 
 import orjson
 
-from gateway.errors import InvalidRequest, PayloadTooLarge
+from gateway.errors import InvalidRequest
 
-__all__ = ["ParsedRequest", "ClientGone", "parse_request", "read_body", "CHAT", "COMPLETION"]
+__all__ = ["CHAT", "COMPLETION", "ParsedRequest", "kind_of", "parse_request"]
 
 CHAT = "chat"
 COMPLETION = "completion"
@@ -38,39 +39,16 @@ class ParsedRequest:
         return ParsedRequest(self.kind, data, orjson.dumps(data))
 
 
-async def read_body(scope: dict, receive: Any, limit: int) -> bytes:
-    """The request body, refused with 413 as soon as it passes ``limit`` bytes."""
-    for name, value in scope["headers"]:
-        if name == b"content-length":
-            try:
-                declared = int(value)
-            except ValueError:
-                raise InvalidRequest("invalid Content-Length header", code="invalid_content_length") from None
-            if declared > limit:
-                raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {limit} bytes")
-            break
-    chunks = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientGone
-        chunk = message.get("body", b"")
-        if chunk:
-            size += len(chunk)
-            if size > limit:
-                raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-            chunks.append(chunk)
-        if not message.get("more_body", False):
-            break
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+def kind_of(data: Any) -> str:
+    """The API a bare request body is for (a WebSocket message has no path): a completion
+    when it has ``prompt`` and no ``messages``, else chat."""
+    if isinstance(data, dict) and "prompt" in data and "messages" not in data:
+        return COMPLETION
+    return CHAT
 
 
-class ClientGone(Exception):
-    """The client disconnected while its request was being read."""
-
-
-def parse_request(kind: str, body: bytes) -> ParsedRequest:
+def parse_request(kind: str | None, body: bytes) -> ParsedRequest:
+    """Parse and check ``body`` for the API ``kind`` (None: inferred, ``kind_of``)."""
     if not body:
         raise InvalidRequest("the request body is empty; expected a JSON object", code="invalid_json")
     try:
@@ -79,6 +57,8 @@ def parse_request(kind: str, body: bytes) -> ParsedRequest:
         raise InvalidRequest(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise InvalidRequest("the request body must be a JSON object", code="invalid_json")
+    if kind is None:
+        kind = kind_of(data)
     model = data.get("model")
     if model is None:
         raise InvalidRequest("you must provide a model parameter", param="model", code="missing_required_parameter")

@@ -1,0 +1,164 @@
+"""The request flow, the only place that sequences the packages:
+
+    cache plan ─► hit: replay                      (a hit pays for no routing decision)
+               ─► identical request in flight: follow it
+               ─► route ─► open (fallbacks, hedge) ─► cascade ─► record for the cache
+
+``Pipeline.answer`` returns an ``Answer``: the reply and what the response headers say about
+how it was found. The caller relays it (``gateway.relay``) and closes it, always.
+"""
+
+from __future__ import annotations
+
+import time
+
+import orjson
+
+from cache import Flight, FlightAborted
+from gateway.admission import RequestContext
+from gateway.caching import BYPASS, HIT, MISS, CacheLayer, Lookup, Recorder
+from gateway.dispatch import Dispatcher
+from gateway.errors import GatewayError, UpstreamTimeout
+from gateway.openai import COMPLETION, ParsedRequest
+from gateway.replies import FollowerReply, Reply, ReplayReply
+from routing import RouteDecision, TargetKind, cascade_verdict
+
+__all__ = ["Answer", "Pipeline"]
+
+
+class Answer:
+    """A request's reply, with what the response headers say about how it was found."""
+
+    __slots__ = ("reply", "x_cache", "age", "route", "recorder", "flight", "ttft", "failed_mid_stream")
+
+    def __init__(self) -> None:
+        self.reply: Reply | None = None
+        self.x_cache: bytes | None = None
+        self.age: int | None = None
+        self.route = b""
+        self.recorder: Recorder | None = None
+        self.flight: Flight | None = None
+        self.ttft: float | None = None  # seconds from arrival to the first relayed event
+        self.failed_mid_stream: GatewayError | None = None
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        headers = [(b"x-edgegw-route", self.route)]
+        if self.x_cache is not None:
+            headers.append((b"x-cache", self.x_cache))
+        if self.age is not None:
+            headers.append((b"age", str(self.age).encode()))
+        return headers
+
+    def route_of_failure(self, exc: GatewayError) -> bytes:
+        """The route header of a failed request: its decision if one was made, else why not."""
+        return self.route or f"target=none; why={exc.code or exc.type}".encode("ascii", "replace")
+
+    async def close(self, exc: BaseException | None = None) -> None:
+        if self.reply is not None:
+            await self.reply.aclose()
+        if self.flight is not None:
+            await self.flight.release(exc)
+
+
+class Pipeline:
+    def __init__(self, dispatcher: Dispatcher, cache: CacheLayer, ping: float) -> None:
+        self.dispatcher = dispatcher
+        self.cache = cache
+        self.ping = ping
+
+    async def answer(self, ctx: RequestContext, parsed: ParsedRequest, answer: Answer) -> Answer:
+        """Fill ``answer`` (the caller's, so that it can close what was opened even when this
+        is cancelled) with the reply for ``parsed``."""
+        timing = ctx.timing
+        lookup: Lookup | None = None
+        layer = self.cache
+        if layer.enabled:
+            lookup = layer.plan(parsed, ctx.tenant, ctx.headers)
+            answer.x_cache = BYPASS
+            if lookup.plan.lookup:
+                entry = await layer.get(lookup)
+                if entry is not None:
+                    timing.mark("cache", "hit")
+                    answer.reply = layer.replay(entry, parsed)
+                    answer.x_cache = HIT
+                    answer.age = int(entry.age(time.time()))
+                    answer.route = b"target=cache; model=" + parsed.model.encode("ascii", "replace") + b"; why=exact-response cache hit"
+                    return answer
+            if lookup.plan.only_if_cached:
+                raise UpstreamTimeout("not in the cache and Cache-Control says only-if-cached", code="cache_miss")
+            if lookup.plan.store:
+                answer.x_cache = MISS
+                flight = await layer.join(lookup.key)
+                if flight is not None and not flight.is_leader:
+                    followed = await self._follow(layer.follower(flight, parsed, self.ping))
+                    if followed is not None:
+                        timing.mark("cache", "coalesced")
+                        answer.reply = followed
+                        answer.route = b"target=cache; model=" + parsed.model.encode("ascii", "replace") + b"; coalesced=1; why=an identical request is in flight"
+                        return answer
+                else:
+                    answer.flight = flight
+            timing.mark("cache")
+        decision = await self.dispatcher.route(parsed, ctx.peer, ctx.headers, budget_ms=ctx.budget_ms)
+        timing.mark("route")
+        sent = parsed
+        if lookup is not None and lookup.fields is not None:
+            sent = sent.with_fields(**lookup.fields)
+        cascade = decision.cascade_threshold is not None and decision.target.kind is TargetKind.EDGE and not parsed.stream
+        if cascade:
+            sent = sent.with_fields(logprobs=0 if parsed.kind == COMPLETION else True)
+        opened = await self.dispatcher.open(decision, sent, ctx.forward, ctx.request_id.decode())
+        reply = answer.reply = opened.reply
+        if opened.target.kind is TargetKind.EDGE:
+            timing.mark("engine", "prompt rendered and tokenised")
+        else:
+            timing.upstream(reply.pool_wait, opened.attempt)
+        route = _route_header(decision)
+        if opened.target is not decision.target:
+            route += b"; served-by=" + opened.target.label().encode()
+        if cascade and reply.status == 200:
+            answer.reply = None  # _cascade closes it
+            answer.reply, note = await self._cascade(decision, parsed, reply, ctx)
+            route += note
+        answer.route = route
+        if lookup is not None and lookup.plan.store:
+            answer.recorder = Recorder(layer, lookup, answer.flight, parsed.kind)
+        return answer
+
+    @staticmethod
+    async def _follow(follower: FollowerReply) -> Reply | None:
+        """The followed answer, or None when its leader failed before a byte (go upstream)."""
+        try:
+            await follower.start()
+        except FlightAborted:
+            await follower.aclose()
+            return None
+        except BaseException:
+            await follower.aclose()
+            raise
+        return follower
+
+    async def _cascade(self, decision: RouteDecision, parsed: ParsedRequest, reply: Reply, ctx: RequestContext) -> tuple[Reply, bytes]:
+        """Confidence-gated cascade: keep the edge's answer unless routing's verdict on its
+        mean token logprob says to escalate to the first central fallback."""
+        try:
+            body = await reply.read_body()
+        finally:
+            await reply.aclose()
+        data = orjson.loads(body)
+        central = next((t for t in decision.fallbacks if t.kind is TargetKind.ENDPOINT), None)
+        escalate, mean = cascade_verdict(data, decision.cascade_threshold)
+        if escalate and central is not None:
+            escalated = await self.dispatcher.fleet.open_target(central, parsed, ctx.forward, ctx.request_id.decode())
+            note = f"; cascaded=1 (edge mean logprob {mean:.2f} < {decision.cascade_threshold:g}) served-by={central.label()}"
+            return escalated, note.encode()
+        if parsed.data.get("logprobs") in (None, False):  # asked for on the client's behalf
+            for choice in data.get("choices", []):
+                choice["logprobs"] = None
+            body = orjson.dumps(data)
+        note = "" if mean is None else f"; cascade-kept (edge mean logprob {mean:.2f})"
+        return ReplayReply(body, None, label="edge"), note.encode()
+
+
+def _route_header(decision: RouteDecision) -> bytes:
+    return decision.header_value().encode("ascii", "replace")
