@@ -118,8 +118,9 @@ def simulate(strategy: str, n: int, rate: float, seed: int) -> dict:
     replicas, specs, config = build_fleet()
     by_url = {r.url: r for r in replicas}
     table = RoutingTable.build(config, specs, None)
-    health = HealthState.from_config(config, table.endpoint_ids(), seed=seed)
+    health = HealthState.from_config(config, table.endpoint_ids())
     rng = random.Random(seed + 1)
+    balancer_rng = random.Random(seed + 2)
     rr = itertools.cycle(replicas)
     events: list = []  # (time, seq, kind, payload)
     seq = itertools.count()
@@ -148,7 +149,7 @@ def simulate(strategy: str, n: int, rate: float, seed: int) -> dict:
                                stream=True, affinity_key=key, affinity_source="session",
                                location=CLIENT)
             t0 = time.perf_counter_ns()
-            d = decide(req, table, health, now)
+            d = decide(req, table, health, now, rng=balancer_rng)
             decide_ns.append(time.perf_counter_ns() - t0)
             rep = by_url[d.target.endpoint]
         elif strategy == "round-robin":

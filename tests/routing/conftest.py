@@ -44,4 +44,4 @@ def table(config) -> RoutingTable:
 
 @pytest.fixture
 def health(config, table) -> HealthState:
-    return HealthState.from_config(config, table.endpoint_ids(), seed=1234)
+    return HealthState.from_config(config, table.endpoint_ids())

@@ -14,8 +14,8 @@ def key(i: int) -> bytes:
     return blake2b(f"session-{i}".encode(), digest_size=16).digest()
 
 
-def fresh(seed: int = 7) -> HealthState:
-    return HealthState(HealthConfig(), endpoints=EPS, seed=seed)
+def fresh() -> HealthState:
+    return HealthState(HealthConfig(), endpoints=EPS)
 
 
 def test_p2c_prefers_fast_endpoint():
@@ -48,7 +48,7 @@ def test_pick_order_of_others_by_cost():
 
 
 def test_ejected_endpoints_are_skipped_and_none_when_all_out():
-    h = HealthState(HealthConfig(failure_threshold=1), endpoints=EPS, seed=1)
+    h = HealthState(HealthConfig(failure_threshold=1), endpoints=EPS)
     for ep in EPS[:3]:
         h.record_end(ep, False, 0, 0.1, 0.0)
     assert {pick(EPS, h, 0.0, config=BAL, prior_s=0.3).endpoint for _ in range(50)} == {"http://r4"}

@@ -35,7 +35,7 @@ def test_example_config_builds_and_routes():
     table = RoutingTable.build(cfg, clusters, "smollm2-135m-instruct")
     assert set(table.regions) == {"us-west", "eu-central", "ap-southeast"}
     assert all(r.edge for r in table.regions.values())
-    health = HealthState.from_config(cfg, table.endpoint_ids(), seed=0)
+    health = HealthState.from_config(cfg, table.endpoint_ids())
     d = decide(RouteRequest(model="large"), table, health, 0.0)
     assert (d.target.cluster, d.model) == ("eu-central-central", "mixtral-8x22b-instruct")
     d = decide(RouteRequest(model="fast", prompt_tokens=9000), table, health, 0.0)

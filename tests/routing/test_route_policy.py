@@ -135,7 +135,7 @@ def test_hedge_min_delay_and_disabled(health):
 
 
 def test_no_hedge_when_retry_budget_spent(table):
-    health = HealthState.from_config(make_config(health={"retry_budget_min": 0, "retry_budget_ratio": 0.5}), seed=1)
+    health = HealthState.from_config(make_config(health={"retry_budget_min": 0, "retry_budget_ratio": 0.5}))
     health.record_start("http://usw-1", NOW)
     health.record_start("http://usw-1", NOW)
     assert health.try_retry(NOW)
@@ -156,7 +156,7 @@ def test_cache_hit_first_with_route_behind(table, health):
 def no_panic() -> tuple[RoutingTable, HealthState]:
     config = make_config(health={"panic": False})
     table = RoutingTable.build(config, CLUSTERS, EDGE_MODEL)
-    return table, HealthState.from_config(config, table.endpoint_ids(), seed=1234)
+    return table, HealthState.from_config(config, table.endpoint_ids())
 
 
 def test_cache_hit_survives_no_route():
@@ -212,7 +212,7 @@ def test_unknown_model(table, health):
 def test_zero_config_single_region():
     cfg = RoutingConfig()
     t = RoutingTable.build(cfg, [ClusterSpec("main", ("big",), ("http://x:8000",))], "small")
-    h = HealthState.from_config(cfg, t.endpoint_ids(), seed=0)
+    h = HealthState.from_config(cfg, t.endpoint_ids())
     assert list(t.regions) == ["local"]
     short = decide(RouteRequest(prompt_tokens=10), t, h, 0.0)
     long = decide(RouteRequest(prompt_tokens=10_000), t, h, 0.0)
