@@ -81,13 +81,10 @@ class GatewayProcess:
             argv += ["--host", "127.0.0.1", "--port", str(port)]
         self.url = f"http://127.0.0.1:{port}"
         self.log = tmp_path / f"gateway-{port}.log"
-        self.proc = subprocess.Popen(
-            argv,
-            cwd=ROOT,
-            stdout=self.log.open("wb"),
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
+        with self.log.open("wb") as log:
+            self.proc = subprocess.Popen(
+                argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+            )
 
     def start(self, timeout: float = 30) -> GatewayProcess:
         deadline = time.monotonic() + timeout
