@@ -6,17 +6,17 @@ benchmark measures. Answers
     POST /v1/chat/completions, /v1/completions   JSON, or SSE when "stream": true
     GET  /v1/models, /health
 
-The answers have the shape of ``tests.fakes`` (same ids, fields and token texts): a stream
+The answers have the shape of ``bench/fakes.py`` (same ids, fields and token texts): a stream
 is ``--tokens`` content chunks, one chunk with ``finish_reason: "stop"``, then
 ``data: [DONE]`` (tokens + 2 events), sent chunked, one event per event-loop turn (a
 zero-delay token stream: each event is its own ``write``, streams on different
 connections interleave), or ``"fake": {"delay": SECONDS}`` apart when the request body asks
-(as ``tests.fakes`` does). Responses are built once per (model, kind, stream) and cached.
+(as ``bench/fakes.py`` does). Responses are built once per (model, kind, stream) and cached.
 
     .venv/bin/python bench/fast_upstream.py --port 9001 [--tokens 64]
-    .venv/bin/python bench/fast_upstream.py --port 9002 --hypercorn   # h2c + h1: tests.fakes under hypercorn
+    .venv/bin/python bench/fast_upstream.py --port 9002 --hypercorn   # h2c + h1: bench/fakes.py under hypercorn
 
-``--hypercorn`` serves the ``tests.fakes`` app instead (HTTP/1.1 and HTTP/2 cleartext with
+``--hypercorn`` serves the ``bench/fakes.py`` app instead (HTTP/1.1 and HTTP/2 cleartext with
 prior knowledge on one port; much slower, but it speaks h2c).
 """
 
@@ -233,8 +233,9 @@ async def serve_hypercorn(host: str, port: int, tokens: int, models: list[str]) 
     from hypercorn.asyncio import serve
     from hypercorn.config import Config
 
-    from tests.fakes import FakeApp  # importing it also applies its flow-control patch to hypercorn
+    from bench.fakes import FakeApp, honour_h2_flow_control
 
+    honour_h2_flow_control()
     app = FakeApp(models, {"tokens": tokens})
     app.requests = _Discard()  # don't keep a record of every request for the whole benchmark
     config = Config()
@@ -249,7 +250,7 @@ async def serve_hypercorn(host: str, port: int, tokens: int, models: list[str]) 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    print(f"hypercorn tests.fakes upstream on http://{host}:{port} (h1 + h2c)", flush=True)
+    print(f"hypercorn bench/fakes.py upstream on http://{host}:{port} (h1 + h2c)", flush=True)
     await serve(app, config, shutdown_trigger=stop.wait, mode="asgi")
 
 
@@ -264,7 +265,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--tokens", type=int, default=64, help="content chunks per answer (default 64)")
     parser.add_argument("--model", action="append", default=[], help="model listed by /v1/models (repeatable)")
-    parser.add_argument("--hypercorn", action="store_true", help="serve tests.fakes under hypercorn (h1 + h2c)")
+    parser.add_argument("--hypercorn", action="store_true", help="serve bench/fakes.py under hypercorn (h1 + h2c)")
     parser.add_argument("--no-uvloop", action="store_true")
     args = parser.parse_args()
     models = args.model or ["bench-model"]

@@ -7,7 +7,7 @@ Processes (each started here, stopped here by PID; traffic only on 127.0.0.1):
 
 - upstream ``bench/fast_upstream.py`` (raw asyncio + httptools, zero delays, 64-token
   answers), pinned with ``taskset -c 1``;
-- for the HTTP/2 variant, ``bench/fast_upstream.py --hypercorn`` (``tests.fakes`` under
+- for the HTTP/2 variant, ``bench/fast_upstream.py --hypercorn`` (``bench/fakes.py`` under
   hypercorn: h1 and h2c on one port), also ``taskset -c 1``;
 - the gateway, ``taskset -c 0 python -m gateway serve --config <tmp yaml>``, once with
   ``protocol: http1`` towards the fast upstream and once with ``protocol: http2`` towards
@@ -74,7 +74,7 @@ _MESSAGES = [{"role": "user", "content": "Say something short."}]
 def _request(stream: bool, delay: float = 0.0) -> bytes:
     payload = {"model": MODEL, "messages": _MESSAGES, "max_tokens": TOKENS, "stream": stream}
     if delay:
-        payload["fake"] = {"delay": delay}  # the upstream's time between tokens (tests.fakes' script field)
+        payload["fake"] = {"delay": delay}  # the upstream's time between tokens (bench/fakes.py's script field)
     body = json.dumps(payload).encode()
     head = (
         b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
@@ -474,7 +474,7 @@ def report(results: dict, peaks: dict[str, int], command: str, reps: int, revisi
     out = []
     variants = [("h1", "direct-h1", "gw-h1", "HTTP/1.1 → fast upstream")]
     if "gw-h2" in results:
-        variants.append(("h2", "direct-hc", "gw-h2", "HTTP/2 (h2c) → hypercorn tests.fakes; direct = hypercorn over h1"))
+        variants.append(("h2", "direct-hc", "gw-h2", "HTTP/2 (h2c) → hypercorn bench/fakes.py; direct = hypercorn over h1"))
     out.append(f"Command: `{command}`  ")
     out.append(f"Gateway code: {revision}  ")
     out.append(

@@ -16,6 +16,7 @@ import yaml
 
 from gateway.app import create_app
 from gateway.settings import Settings
+from bench.fakes import honour_h2_flow_control
 from tests.fakes import FakeUpstream, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -109,8 +110,17 @@ class GatewayProcess:
                 self.proc.wait()
 
 
+@pytest.fixture(scope="session")
+def hypercorn_flow_control():
+    """HTTP/2 fakes under hypercorn honour the client's flow-control window (bench/fakes.py
+    says why hypercorn does not by itself)."""
+    honour_h2_flow_control(True)
+    yield
+    honour_h2_flow_control(False)
+
+
 @pytest.fixture
-def upstreams():
+def upstreams(hypercorn_flow_control):
     started: list[FakeUpstream] = []
 
     def start(protocol: str = "http1", **defaults) -> FakeUpstream:

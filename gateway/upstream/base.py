@@ -18,7 +18,7 @@ import ssl as ssl_module
 
 from gateway.errors import PayloadTooLarge, UpstreamConnectError, UpstreamReadTimeout
 
-__all__ = ["Body", "Origin", "UpstreamResponse", "Pool", "Timeouts", "connect", "head_timeout"]
+__all__ = ["Body", "Origin", "UpstreamResponse", "Pool", "Timeouts", "connect", "head_timeout", "wait_closed"]
 
 
 class Timeouts:
@@ -256,6 +256,18 @@ async def connect(
     except (OSError, ssl_module.SSLError) as exc:
         raise UpstreamConnectError(f"cannot connect to {origin}: {exc}") from None
     return protocol
+
+
+async def wait_closed(connections, timeout: float = 1.0) -> None:
+    """Wait until each closed connection's transport has reported it lost (a TLS connection
+    closes in a few round trips), aborting those still open after ``timeout`` seconds, so
+    that nothing is left to the event loop's shutdown."""
+    waiting = [c.lost for c in connections if not c.lost.done()]
+    if waiting:
+        await asyncio.wait(waiting, timeout=timeout)
+    for conn in connections:
+        if not conn.lost.done() and conn.transport is not None:
+            conn.transport.abort()
 
 
 def head_timeout(head: asyncio.Future, timeout: float) -> None:

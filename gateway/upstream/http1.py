@@ -26,7 +26,7 @@ from gateway.errors import (
     UpstreamConnectError,
     UpstreamProtocolError,
 )
-from gateway.upstream.base import Body, Origin, Timeouts, UpstreamResponse, connect, head_timeout
+from gateway.upstream.base import Body, Origin, Timeouts, UpstreamResponse, connect, head_timeout, wait_closed
 
 __all__ = ["H1Pool"]
 
@@ -43,6 +43,7 @@ class _H1Connection(asyncio.Protocol):
         self._loop = pool._loop
         self._parser = httptools.HttpResponseParser(self)
         self.transport: asyncio.Transport | None = None
+        self.lost: asyncio.Future[None] = self._loop.create_future()  # done once the transport is gone
         self.is_closed = False
         self._paused = False
         self._head: asyncio.Future[tuple[int, list[tuple[bytes, bytes]], Body]] | None = None
@@ -58,6 +59,8 @@ class _H1Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.is_closed = True
+        if not self.lost.done():
+            self.lost.set_result(None)
         head = self._head
         if head is not None and not head.done():
             head.set_exception(
@@ -232,11 +235,13 @@ class H1Pool:
         self._closed = True
         for task in list(self._tasks):
             task.cancel()
-        for conn in list(self._all):
-            conn.cancel()
         for waiter in self._waiters:
             if not waiter.done():
                 waiter.set_exception(UpstreamConnectError("upstream pool closed"))
+        connections = list(self._all)
+        for conn in connections:
+            conn.cancel()
+        await wait_closed(connections)
 
     @property
     def num_connections(self) -> int:

@@ -29,7 +29,7 @@ from gateway.errors import (
     UpstreamProtocolError,
     UpstreamReadTimeout,
 )
-from gateway.upstream.base import Body, Origin, Timeouts, UpstreamResponse, connect, head_timeout
+from gateway.upstream.base import Body, Origin, Timeouts, UpstreamResponse, connect, head_timeout, wait_closed
 
 __all__ = ["H2Pool"]
 
@@ -70,6 +70,7 @@ class _H2Connection(asyncio.Protocol):
             )
         )
         self.transport: asyncio.Transport | None = None
+        self.lost: asyncio.Future[None] = self._loop.create_future()  # done once the transport is gone
         self.streams: dict[int, _Stream] = {}
         self.max_streams = 100
         self.is_closed = False
@@ -94,6 +95,8 @@ class _H2Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.is_closed = True
+        if not self.lost.done():
+            self.lost.set_result(None)
         error = UpstreamProtocolError("upstream closed the HTTP/2 connection")
         for stream in list(self.streams.values()):
             self._fail_stream(stream, error if stream.head.done() else _Refused())
@@ -388,12 +391,14 @@ class H2Pool:
         self._closed = True
         for task in list(self._tasks):
             task.cancel()
-        for conn in list(self._conns):
-            conn.close()
-        self._conns.clear()
         for waiter in self._waiters:
             if not waiter.done():
                 waiter.set_exception(UpstreamConnectError("upstream pool closed"))
+        connections = list(self._conns)
+        self._conns.clear()
+        for conn in connections:
+            conn.close()
+        await wait_closed(connections)
 
     @property
     def num_connections(self) -> int:
