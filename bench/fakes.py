@@ -101,6 +101,7 @@ class FakeApp:
         self.models = models
         self.defaults = {**DEFAULTS, **defaults}
         self.requests: list[Seen] = []
+        self.gets: list[str] = []  # paths of the GET requests
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
@@ -113,7 +114,8 @@ class FakeApp:
                     return
         path = scope["path"]
         if scope["method"] == "GET":
-            if path == "/v1/models":
+            self.gets.append(path)
+            if path.endswith("/v1/models"):  # under any base: /v1/models, /openai/v1/models...
                 data = [{"id": m, "object": "model", "created": 0, "owned_by": "fake"} for m in self.models]
                 return await _json(send, 200, {"object": "list", "data": data})
             if path == "/health":

@@ -111,6 +111,15 @@ class GatewayProcess:
 
 
 @pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """A tiny random Llama as a GGUF file (tests/edge_engine/tiny.py), for gateway tests
+    that need an edge engine but not the real model."""
+    from tests.edge_engine.tiny import build_tiny_model  # torch and transformers: only when asked for
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny"))[0])
+
+
+@pytest.fixture(scope="session")
 def hypercorn_flow_control():
     """HTTP/2 fakes under hypercorn honour the client's flow-control window (bench/fakes.py
     says why hypercorn does not by itself)."""

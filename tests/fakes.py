@@ -55,6 +55,10 @@ class FakeUpstream:
         return self.app.requests
 
     @property
+    def gets(self) -> list[str]:
+        return self.app.gets
+
+    @property
     def defaults(self) -> dict[str, Any]:
         return self.app.defaults
 

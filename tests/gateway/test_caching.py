@@ -21,8 +21,12 @@ import httpx
 import orjson
 import pytest
 import redis
+from prometheus_client import CollectorRegistry
 from websockets.sync.client import connect as ws_connect
 
+from cache import CacheConfig
+from gateway.caching import CacheLayer, Recorder
+from gateway.openai import parse_request
 from tests.conftest import ROOT, GatewayProcess, cluster
 from tests.fakes import free_port
 
@@ -585,3 +589,46 @@ def test_cli_rejects_a_bad_cache_value():
     )
     assert result.returncode == 2
     assert "--cache" in result.stderr
+
+
+# -- Recorder: the leader's answer recorded, hidden usage, stored only when complete ----------
+
+
+def recorder_for(body: dict, cache_control: str | None = None):
+    layer = CacheLayer(CacheConfig(backend="memory"), CollectorRegistry())
+    parsed = parse_request("chat", orjson.dumps(body))
+    lookup = layer.plan(parsed, "tenant", {"cache-control": cache_control} if cache_control else {})
+    return layer, lookup, Recorder(layer, lookup, None, "chat")
+
+
+def event(payload: dict) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+CHUNK = {"id": "c", "object": "chat.completion.chunk", "model": "m", "choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}]}
+LAST = {**CHUNK, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+USAGE = {**CHUNK, "choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+
+
+async def test_recorder_stores_a_complete_stream_and_hides_the_usage_it_asked_for():
+    layer, lookup, recorder = recorder_for(chat(stream=True))
+    assert lookup.fields == {"stream_options": {"include_usage": True}} and recorder.hide_usage
+    relayed = await recorder.feed(event(CHUNK) + event(LAST))
+    assert relayed == event(CHUNK) + event(LAST)  # nothing to hide: passed on as received
+    relayed = await recorder.feed(event(USAGE) + b"data: [DONE]\n\n")
+    assert relayed == b"data: [DONE]\n\n"  # the usage chunk the client did not ask for
+    assert await recorder.finish(True)
+    entry = await layer.get(lookup)
+    assert entry is not None and len(entry.chunks) == 3  # the usage chunk is kept for clients who want it
+
+
+async def test_recorder_stores_nothing_from_a_broken_or_incomplete_answer():
+    layer, lookup, recorder = recorder_for(chat(stream=True, stream_options={"include_usage": True}))
+    assert lookup.fields is None and not recorder.hide_usage
+    await recorder.feed(event(CHUNK))  # no finish_reason, no [DONE]
+    assert not await recorder.finish(True)
+    assert await layer.get(lookup) is None
+    layer, lookup, broken = recorder_for(chat(stream=True))
+    await broken.feed(event(CHUNK) + event(LAST) + b"data: [DONE]\n\n")
+    assert not await broken.finish(False)  # the relay broke off: not stored, whatever was seen
+    assert await layer.get(lookup) is None

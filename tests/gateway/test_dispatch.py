@@ -251,3 +251,59 @@ def test_an_upstream_4xx_does_not_leave_the_endpoint_counted_in_flight(upstreams
         assert post(gw, US_CLIENT).status_code == 400
     health = gw.state.fleet.health
     wait_for(lambda: health.endpoint(west.url).inflight == 0, 3, "in-flight released after a 4xx")
+
+
+# -- hedging: a hedged stream behaves like any other ----------------------------------------
+
+
+def hedged(geo_db: str, primary, hedge, **limits) -> dict:
+    config = two_regions(geo_db, [primary.url], [hedge.url], hedging={"enabled": True, "budget_fraction": 0.5, "min_delay_ms": 0})
+    config["limits"] = limits
+    return config
+
+
+def test_a_client_gone_in_the_hedge_window_cancels_both_attempts(upstreams, gateways, geo_db):
+    slow, hedge = upstreams(ttft=5.0), upstreams(ttft=5.0)
+    gw = gateways(hedged(geo_db, slow, hedge))
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    headers = {"x-forwarded-for": US_CLIENT, "x-latency-budget-ms": "300"}
+    with httpx.Client(timeout=10) as client, client.stream("POST", gw.url + "/v1/chat/completions", json=body, headers=headers) as r:
+        assert r.status_code == 200
+        wait_for(lambda: len(hedge.requests) == 1, 3, "the hedge to start")
+    # the client has gone: both upstream requests are cancelled at once, nothing stays in flight
+    wait_for(lambda: slow.requests[0].disconnected.is_set() and hedge.requests[0].disconnected.is_set(), 2, "both cancelled")
+    health = gw.state.fleet.health
+    wait_for(lambda: health.endpoint(slow.url).inflight == 0 and health.endpoint(hedge.url).inflight == 0, 2, "in-flight zero")
+    wait_for(lambda: gw.state.gate.in_flight == 0, 2, "the slot released")
+
+
+def test_a_hedged_stream_sends_headers_at_once_and_pings_while_waiting(upstreams, gateways, geo_db):
+    slow, hedge = upstreams(ttft=1.5), upstreams(ttft=1.5)
+    gw = gateways(hedged(geo_db, slow, hedge, keepalive_interval_s=0.2))
+    r = post(gw, US_CLIENT, stream=True, headers={"x-latency-budget-ms": "300"})
+    assert r.status_code == 200
+    lines = [line for line in r.text.split("\n") if line]
+    first_data = next(i for i, line in enumerate(lines) if line.startswith("data:"))
+    assert first_data >= 3 and all(line == ": ping" for line in lines[:first_data]), lines[:5]
+    assert lines[-1] == "data: [DONE]"
+
+
+def test_the_hedge_winners_ttft_is_measured_from_when_it_was_sent(upstreams, gateways, geo_db):
+    slow, hedge = upstreams(ttft=3.0), upstreams(ttft=0.05)
+    gw = gateways(hedged(geo_db, slow, hedge))
+    r = post(gw, US_CLIENT, stream=True, headers={"x-latency-budget-ms": "600"})  # hedge after 300 ms
+    assert r.status_code == 200 and len(hedge.requests) == 1
+    health = gw.state.fleet.health
+    # from the hedge's own send: ~0.05 s, not the ~0.35 s since the request arrived
+    assert health.endpoint(hedge.url).ttft_s < 0.25
+    # the beaten primary is recorded as slow (a lower bound of its TTFT), not left unmeasured
+    assert health.endpoint(slow.url).ttft_s >= 0.3
+
+
+def test_a_json_answer_is_not_fed_into_the_ttft_average(upstreams, gateways, geo_db):
+    west, east = upstreams(ttft=0.3), upstreams()
+    gw = gateways(two_regions(geo_db, [west.url], [east.url]))
+    assert post(gw, US_CLIENT).status_code == 200
+    endpoint = gw.state.fleet.health.endpoint(west.url)
+    assert endpoint.ttft_s is None  # a JSON answer's first byte is its last: no TTFT sample
+    assert endpoint.requests == 1 and endpoint.inflight == 0

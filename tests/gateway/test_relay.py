@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import ipaddress
 import socket
@@ -16,6 +17,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from gateway.errors import UpstreamProtocolError, UpstreamReadTimeout
+from gateway.relay import DONE, EventReader, sse_event, sse_events, sse_payloads
+from gateway.upstream.base import Body
 from tests.conftest import cluster
 
 PROTOCOLS = [pytest.param("http1", id="http1"), pytest.param("http2", id="http2")]
@@ -276,3 +280,48 @@ def test_http2_goaway_is_survived(upstreams, gateways):
     # answer: the gateway saw no response headers and sent it again
     assert len(fake.requests) >= 16
     assert gw.state.fleet.upstreams[fake.url].pool.num_connections >= 1
+
+
+# -- EventReader: an upstream's bytes cut at event boundaries --------------------------------
+
+
+def reader_over(high_water: int = 1 << 20, ping: float = 0.05, timeout: float = 0.2, max_event: int = 64):
+    body = Body(asyncio.get_running_loop(), high_water, None, lambda n: None)
+    return body, EventReader(body, ping, timeout, max_event)
+
+
+async def test_event_reader_hands_back_whole_events_as_received():
+    body, reader = reader_over()
+    body.feed(b"data: one\n\ndata: tw")
+    assert await reader.next() == b"data: one\n\n"
+    assert reader.in_event
+    body.feed(b"o\n\ndata: three\r\n\r\n")
+    assert await reader.next() == b"data: two\n\ndata: three\r\n\r\n"
+    assert not reader.in_event
+    body.feed(b"data: unterminated")
+    body.feed_eof()
+    assert await reader.next() == b"data: unterminated"  # the last event as it came
+    assert await reader.next() == b""
+
+
+async def test_event_reader_reports_quiet_spells_then_times_out():
+    body, reader = reader_over(ping=0.05, timeout=0.15)
+    assert await reader.next() is None
+    assert await reader.next() is None
+    with pytest.raises(UpstreamReadTimeout):
+        for _ in range(3):
+            assert await reader.next() is None
+
+
+async def test_event_reader_refuses_an_endless_event():
+    body, reader = reader_over(max_event=64)
+    body.feed(b"data: " + b"x" * 100)
+    with pytest.raises(UpstreamProtocolError, match="exceeds 64 bytes"):
+        await reader.next()
+
+
+def test_sse_framing_round_trips():
+    events = sse_events([b'{"a":1}', b'{"b":2}']) + b": ping\n\n" + DONE
+    assert sse_payloads(events) == [b'{"a":1}', b'{"b":2}', b"[DONE]"]
+    assert sse_payloads(b"data:x\r\ndata: y\r\n\r\n") == [b"x\ny"]
+    assert sse_event(b"[DONE]") == DONE

@@ -15,6 +15,7 @@ from routing import (
     RoutingTable,
     TargetKind,
     UnknownModel,
+    cascade_verdict,
     decide,
     explain,
     request_from_openai,
@@ -290,3 +291,31 @@ def test_explain(city_db, peer, headers, body, kind, region):
         assert d.target.region == region
     if "x-latency-budget-ms" in headers:
         assert d.budget_ms == 250 and d.degraded
+
+
+# -- the cascade's verdict on an edge answer ------------------------------------------------
+
+
+def _chat_answer(*logprobs: float) -> dict:
+    content = [{"token": "t", "logprob": lp, "top_logprobs": []} for lp in logprobs]
+    return {"choices": [{"index": 0, "message": {"content": "x"}, "logprobs": {"content": content}}]}
+
+
+def _completion_answer(*logprobs: float) -> dict:
+    return {"choices": [{"index": 0, "text": "x", "logprobs": {"token_logprobs": list(logprobs), "tokens": ["t"] * len(logprobs)}}]}
+
+
+@pytest.mark.parametrize(
+    "answer,threshold,escalate,mean",
+    [
+        pytest.param(_chat_answer(-0.1, -0.3), -1.0, False, -0.2, id="chat-confident"),
+        pytest.param(_chat_answer(-2.0, -4.0), -1.0, True, -3.0, id="chat-unsure"),
+        pytest.param(_completion_answer(-0.5, -2.5), -1.0, True, -1.5, id="completion-unsure"),
+        pytest.param(_completion_answer(-0.5, float("-inf"), -0.5), -1.0, False, -0.5, id="non-finite-ignored"),
+        pytest.param({"choices": [{"index": 0, "logprobs": None}]}, -1.0, False, None, id="no-logprobs-kept"),
+    ],
+)
+def test_cascade_verdict(answer, threshold, escalate, mean):
+    verdict, measured = cascade_verdict(answer, threshold)
+    assert verdict is escalate
+    assert measured == (pytest.approx(mean) if mean is not None else None)

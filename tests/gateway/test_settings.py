@@ -1,0 +1,67 @@
+"""Configuration: YAML read once, every key documented in configs/default.yaml, one set of
+defaults for the engine, the words users write where the documented values are words."""
+
+from __future__ import annotations
+
+import re
+import typing
+
+import pydantic
+import pytest
+
+from edge_engine.config import EngineConfig
+from gateway.settings import ConfigError, EdgeSettings, Settings, load_settings
+from tests.conftest import ROOT
+
+
+def test_unquoted_off_on_yes_no_are_the_words_they_look_like(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("cache:\n  backend: off\n  singleflight: no\nlisten:\n  access_log: yes\n")
+    settings = load_settings(path)
+    assert settings.cache.backend == "off"
+    assert settings.cache.singleflight is False and settings.listen.access_log is True
+
+
+def test_listen_workers_is_not_a_key_that_does_nothing(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("listen:\n  workers: 4\n")
+    with pytest.raises(ConfigError, match=r"c.yaml:2: listen.workers: unknown key"):
+        load_settings(path)
+
+
+def _leaves(model: type[pydantic.BaseModel], prefix: str = "") -> list[str]:
+    """Every setting's dotted name, sections left out."""
+    keys = []
+    for name, field in model.model_fields.items():
+        inner = _models(field.annotation)
+        if not inner:
+            keys.append(prefix + name)
+        for section in inner:
+            keys += _leaves(section, prefix + name + ".")
+    return keys
+
+
+def _models(annotation) -> list[type[pydantic.BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models(arg)]
+
+
+def test_every_key_is_in_the_default_config_with_its_comment():
+    text = (ROOT / "configs" / "default.yaml").read_text()
+    missing = []
+    for key in _leaves(Settings):
+        leaf = key.rsplit(".", 1)[-1]
+        if not re.search(rf"^\s*#?\s*(- )?{re.escape(leaf)}:.*#", text, re.MULTILINE):
+            missing.append(key)
+    assert not missing, f"keys not documented (with a comment) in configs/default.yaml: {missing}"
+
+
+def test_the_edge_section_takes_the_engines_defaults_and_checks():
+    engine = EngineConfig()
+    edge = EdgeSettings()
+    for name in ("dtype", "device", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_queue_len", "kv_cache_memory_fraction", "max_kv_cache_tokens"):
+        assert getattr(edge, name) == getattr(engine, name), name
+    with pytest.raises(pydantic.ValidationError, match="dtype must be"):
+        EdgeSettings(dtype="fp8")
+    assert EdgeSettings(name="tiny").engine_config().model_name == "tiny"
