@@ -9,7 +9,7 @@ from cache.errors import CacheError, FlightAborted
 from cache.keys import make_key
 from cache.memory import MemoryCache
 from cache.metrics import CacheMetrics
-from cache.policy import Directives, Plan, is_complete_body, is_complete_stream, parse_cache_control, plan, recording_fields
+from cache.policy import Directives, Plan, is_complete_body, is_complete_stream, parse_cache_control, plan, recording_fields, usage_fields
 from cache.redis import RedisCache
 from cache.replay import as_chunks, as_json, is_usage_chunk
 from cache.singleflight import Flight, SingleFlight
@@ -40,6 +40,7 @@ __all__ = [
     "parse_cache_control",
     "plan",
     "recording_fields",
+    "usage_fields",
 ]
 
 

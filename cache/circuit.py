@@ -39,5 +39,11 @@ class Circuit:
         self._opened_at = self._clock()
         self._probing = False
 
+    def abandon(self) -> None:
+        """The call let through was cancelled before it said anything about the dependency:
+        the state stays as it was, and the next call may probe (otherwise a cancelled probe
+        would keep the circuit open for good)."""
+        self._probing = False
+
     def __repr__(self) -> str:
         return f"<Circuit {self.state}>"

@@ -102,17 +102,22 @@ def plan(
     return Plan(True, True, None, ttl, "cacheable", only)
 
 
-def recording_fields(body: dict[str, Any], plan: Plan) -> dict[str, Any] | None:
-    """Fields to set on the request sent upstream so that its answer can be stored whole, or
-    None. A stream that will be stored asks for the usage chunk (stored entries answer
-    clients that want usage); the client that did not ask must not see it
+def usage_fields(body: dict[str, Any]) -> dict[str, Any] | None:
+    """Fields that make a stream's upstream end with its usage chunk, or None (not a stream,
+    or the client asked for it already). The client that did not ask must not see it
     (``replay.is_usage_chunk`` finds it)."""
-    if not plan.store or body.get("stream") is not True:
+    if body.get("stream") is not True:
         return None
     options = body.get("stream_options")
     if isinstance(options, dict) and options.get("include_usage"):
         return None
     return {"stream_options": {**(options if isinstance(options, dict) else {}), "include_usage": True}}
+
+
+def recording_fields(body: dict[str, Any], plan: Plan) -> dict[str, Any] | None:
+    """Fields to set on the request sent upstream so that its answer can be stored whole, or
+    None: a stored stream keeps its usage chunk (stored entries answer clients that want it)."""
+    return usage_fields(body) if plan.store else None
 
 
 def _choices_complete(choices: Any, finished: dict[int, Any]) -> bool:

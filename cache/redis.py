@@ -83,6 +83,9 @@ class RedisCache(CacheBackend):
             logger.warning("redis cache %s failed (%s: %s); skipping Redis for %.1fs",
                            op, type(exc).__name__, exc, self.circuit.cooldown)
             return False, None
+        except BaseException:
+            self.circuit.abandon()  # cancelled (a client gone): no verdict on Redis
+            raise
         self.circuit.success()
         return True, result
 

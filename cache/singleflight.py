@@ -301,6 +301,7 @@ class SingleFlight:
         try:
             owned, holder = await self._acquire(key, token)
         except BaseException:
+            self.circuit.abandon()  # cancelled: no verdict on Redis
             state.abort("cancelled while joining")
             raise
         if holder is None:  # we hold the lock, or Redis failed and we lead without it

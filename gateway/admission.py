@@ -7,32 +7,41 @@ WebSocket.
 
 1. request id: the client's ``x-request-id`` when it is a safe token, else a new one;
 2. draining: a gateway shutting down refuses new work (503 + ``Retry-After``);
-3. body: read under ``limits.max_body_bytes`` (413 as soon as it is passed, a declared
+3. tenant: the API key names one (``gateway.tenants``; 401 by ``auth.mode``), before the
+   body is read;
+4. body: read under ``limits.max_body_bytes`` (413 as soon as it is passed, a declared
    ``Content-Length`` over it at once) and ``limits.body_timeout_s``, *before* taking a slot,
    so that a client that sends slowly holds nothing that complete requests need;
-4. in-flight slot: at most ``limits.max_in_flight`` requests are served at once (503);
-5. the disconnect watcher: from here on, a client that leaves cancels the request task
+5. ``Gate.admit``: an in-flight slot (at most ``limits.max_in_flight``, 503), the body
+   parsed (400), the model allowed for the tenant (403), the tenant's concurrency and
+   rate limits (429 with ``Retry-After`` and the OpenAI ``x-ratelimit-*`` headers), the
+   headers that go upstream;
+6. the disconnect watcher: from here on, a client that leaves cancels the request task
    wherever it waits, and the reply is closed in the endpoint's ``finally``;
 
-then the endpoint runs with a ``RequestContext`` in ``scope["edgegw"]``, and afterwards the
-request is counted, its slot released and its access-log line written.
+then the endpoint runs with a ``RequestContext`` in ``scope["edgegw"]``, and afterwards
+``Gate.done`` settles the tenant's token estimate with the real usage, counts the request,
+releases what it held and writes its access-log line.
 
-The WebSocket endpoint admits each message on a socket with the same ``Gate`` (draining,
-body limit, slot) and the same ``RequestContext``.
+The WebSocket endpoint admits each message on a socket through the same ``Gate.admit``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import re
+import time
 import uuid
 
-from gateway.errors import ClientGone, GatewayError, InvalidRequest, Overloaded, PayloadTooLarge, RequestTimeout, send_error
+from gateway.errors import ClientGone, GatewayError, InvalidRequest, Overloaded, PayloadTooLarge, RateLimited, RequestTimeout, send_error
 from gateway.forwarding import HeaderPolicy
 from gateway.observability import Metrics, Timing
+from gateway.openai import ParsedRequest, parse_request
+from gateway.ratelimit import RateLimiter
 from gateway.settings import Settings
+from gateway.tenants import Tenant, Tenants
+from routing import estimate_prompt_tokens
 
 __all__ = ["AdmissionApp", "Gate", "RequestContext", "read_body", "request_id_of"]
 
@@ -49,39 +58,47 @@ def request_id_of(headers: list[tuple[bytes, bytes]]) -> bytes:
     return uuid.uuid4().hex.encode()
 
 
-def _tenant_of(headers: dict[str, str], anonymous: str) -> str:
-    """The cache's tenant: a digest of the API key (never the key itself), or ``anonymous``."""
-    auth = headers.get("authorization") or headers.get("x-api-key")
-    if not auth:
-        return anonymous
-    return "k:" + hashlib.blake2b(auth.encode(), digest_size=12).hexdigest()
-
-
 class RequestContext:
     """One request as admitted: who asked, what for, and how it is going."""
 
     __slots__ = (
-        "request_id", "timing", "raw_headers", "headers", "peer", "tenant", "budget_ms", "forward",
-        "body", "api", "model", "via", "status", "gone", "finished",
+        "request_id", "timing", "arrival", "raw_headers", "headers", "peer", "tenant", "forward", "body",
+        "parsed", "api", "model", "via", "status", "gone", "finished", "rate_headers", "token_estimate",
+        "usage_tokens", "_admitted",
     )
 
     def __init__(self, scope: dict, request_id: bytes, api: str) -> None:
         self.request_id = request_id
         self.timing = Timing()
+        self.arrival = time.monotonic()  # deadlines count from here
         self.raw_headers: list[tuple[bytes, bytes]] = scope["headers"]
         self.headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in self.raw_headers}
         client = scope.get("client")
         self.peer: str | None = client[0] if client else None
-        self.tenant = "anonymous"
-        self.budget_ms: float | None = None  # the TTFT budget when the request sends none
+        self.tenant: Tenant | None = None
         self.forward: list[tuple[bytes, bytes]] = []  # the headers that go upstream
         self.body = b""
+        self.parsed: ParsedRequest | None = None
         self.api = api  # "chat" | "completions": the metrics' label
         self.model = "-"
         self.via = "-"  # what answered (the reply's label), for the access log
         self.status = 0  # the status sent (0: none yet)
         self.gone = False  # the client left before the answer was complete
         self.finished = False  # the last byte is being sent: a disconnect now changes nothing
+        self.rate_headers: list[tuple[bytes, bytes]] = []  # x-ratelimit-* for the response
+        self.token_estimate = 0  # tokens charged at admission
+        self.usage_tokens: int | None = None  # the answer's real usage, when it said
+        self._admitted = 0  # what Gate.admit took: 1 the gateway's slot, 2 also the tenant's
+
+    @property
+    def budget_ms(self) -> float | None:
+        """The tenant's TTFT budget (the request's ``x-latency-budget-ms`` still wins)."""
+        return self.tenant.policy.budget_ms if self.tenant is not None else None
+
+    @property
+    def wants_usage(self) -> bool:
+        """Whether the answer's usage must be read (the tenant's tokens are counted)."""
+        return self.tenant is not None and self.tenant.policy.tokens_per_minute is not None
 
     def responded(self) -> None:
         """The answer is complete but for its last send."""
@@ -92,74 +109,123 @@ class Gate:
     """The gateway's own protection: draining and the in-flight count, shared by every
     admission (HTTP request or WebSocket message)."""
 
-    __slots__ = ("settings", "metrics", "headers", "in_flight", "draining")
+    __slots__ = ("settings", "metrics", "headers", "tenants", "limiter", "in_flight", "draining", "shedding_until")
 
     def __init__(self, settings: Settings, metrics: Metrics) -> None:
         self.settings = settings
         self.metrics = metrics
         self.headers = HeaderPolicy(settings.forward_headers.allow, settings.forward_headers.deny)
+        self.tenants = Tenants(settings.auth, settings.tenants)
+        self.limiter = RateLimiter(settings.rate_limits, metrics)
         self.in_flight = 0
         self.draining = False
+        self.shedding_until = 0.0  # time.monotonic(): /readyz says not ready until then
+
+    @property
+    def shedding(self) -> bool:
+        return time.monotonic() < self.shedding_until
+
+    def shed_for_capacity(self) -> None:
+        """A request was turned away for lack of capacity: a load balancer should steer away
+        for a moment (``/readyz`` answers 503)."""
+        self.shedding_until = time.monotonic() + 1.0
 
     def check_open(self) -> None:
         if self.draining:
             raise Overloaded("the gateway is shutting down", retry_after=self.settings.limits.retry_after_s)
 
-    def enter(self) -> None:
-        """Take an in-flight slot, or raise ``Overloaded`` (503 + Retry-After)."""
+    def identify(self, ctx: RequestContext) -> None:
+        ctx.tenant = self.tenants.identify(ctx.raw_headers)
+
+    async def admit(self, ctx: RequestContext, kind: str | None, extra: list[tuple[bytes, bytes]] = ()) -> ParsedRequest:
+        """Everything between the body and the pipeline (steps 5 of the module docstring);
+        ``done`` gives back what it took, whatever happened."""
         limits = self.settings.limits
         self.check_open()
         if self.in_flight >= limits.max_in_flight:
             raise Overloaded("the gateway is at its concurrency limit", retry_after=limits.retry_after_s)
         self.in_flight += 1
         self.metrics.in_flight.inc()
-
-    def leave(self) -> None:
-        self.in_flight -= 1
-        self.metrics.in_flight.dec()
-
-    def admit(self, ctx: RequestContext, extra: list[tuple[bytes, bytes]] = ()) -> None:
-        """Fill in who the request is for and what goes upstream with it."""
-        ctx.tenant = _tenant_of(ctx.headers, "anonymous")
+        ctx._admitted = 1
+        parsed = ctx.parsed = parse_request(kind, ctx.body)
+        ctx.model = parsed.model
+        tenant = ctx.tenant
+        tenant.check_model(parsed.model)
+        cap = tenant.policy.max_concurrency
+        if cap is not None and tenant.in_flight >= cap:
+            raise RateLimited(f"{tenant.in_flight} requests of this API key are in flight (at most {cap})", code="concurrency_limit_exceeded", retry_after=1.0)
+        ctx.token_estimate = _estimate_tokens(parsed, self.settings)
+        quota = await self.limiter.check(tenant, ctx.token_estimate)
+        if quota is not None:
+            ctx.rate_headers = quota.headers
+            if not quota.allowed:
+                raise RateLimited(
+                    f"Rate limit reached for {quota.limit} per minute; retry after {quota.retry_after:.1f} s",
+                    code=f"rate_limit_exceeded_{quota.limit}",
+                    retry_after=max(1.0, quota.retry_after),
+                )
+        tenant.in_flight += 1
+        ctx._admitted = 2
         ctx.forward = [(b"x-request-id", ctx.request_id), *extra, *self.headers.forward(ctx.raw_headers)]
+        return parsed
 
     def done(self, ctx: RequestContext) -> None:
-        """Count the request and write its access-log line."""
-        self.metrics.count(ctx.api, ctx.status)
+        """Give back what ``admit`` took, settle the tenant's tokens, count the request and
+        write its access-log line."""
+        if ctx._admitted:
+            self.in_flight -= 1
+            self.metrics.in_flight.dec()
+            if ctx._admitted == 2:
+                ctx.tenant.in_flight -= 1
+                if ctx.usage_tokens is not None:
+                    self.limiter.settle(ctx.tenant, ctx.usage_tokens - ctx.token_estimate)
+            ctx._admitted = 0
+        tenant = ctx.tenant.name if ctx.tenant is not None else "-"
+        self.metrics.count(ctx.api, ctx.status, tenant)
         if ctx.gone:
             self.metrics.client_disconnects.inc()
         if self.settings.listen.access_log:
             access_log.info(
-                "%s %s %s model=%s via=%s %.1fms",
+                "%s %s %s tenant=%s model=%s via=%s %.1fms",
                 ctx.request_id.decode(),
                 ctx.api,
                 ctx.status,
+                tenant,
                 ctx.model,
                 ctx.via,
                 ctx.timing.elapsed() * 1000,
             )
 
 
+def _estimate_tokens(parsed: ParsedRequest, settings: Settings) -> int:
+    """Tokens charged at admission: the prompt's characters / ``chars_per_token`` plus the
+    completion's ``max_tokens`` (or ``rate_limits.default_output_tokens``)."""
+    prompt, _ = estimate_prompt_tokens(parsed.data, settings.routing.policy.chars_per_token)
+    out = parsed.data.get("max_completion_tokens") or parsed.data.get("max_tokens")
+    if not isinstance(out, int) or isinstance(out, bool) or out < 0:
+        out = settings.rate_limits.default_output_tokens
+    return prompt + out
+
+
 class AdmissionApp:
     """ASGI middleware admitting HTTP requests to ``app`` (see the module docstring)."""
 
-    def __init__(self, app, gate: Gate, api: str) -> None:
+    def __init__(self, app, gate: Gate, api: str, kind: str) -> None:
         self.app = app
         self.gate = gate
         self.api = api
+        self.kind = kind
 
     async def __call__(self, scope, receive, send) -> None:
         gate = self.gate
         limits = gate.settings.limits
         ctx = RequestContext(scope, request_id_of(scope["headers"]), self.api)
-        entered = False
         watcher = None
         try:
             gate.check_open()
+            gate.identify(ctx)
             ctx.body = await read_body(scope, receive, limits.max_body_bytes, limits.body_timeout_s)
-            gate.enter()
-            entered = True
-            gate.admit(ctx)
+            await gate.admit(ctx, self.kind)
             ctx.timing.mark("admit")
             scope["edgegw"] = ctx
             watcher = _watch(receive, ctx, asyncio.current_task())
@@ -185,14 +251,12 @@ class AdmissionApp:
         finally:
             if watcher is not None:
                 watcher.cancel()
-            if entered:
-                gate.leave()
             gate.done(ctx)
 
 
 def _refusal_headers(ctx: RequestContext, exc: GatewayError) -> list[tuple[bytes, bytes]]:
     why = f"target=none; why={exc.code or exc.type}".encode("ascii", "replace")
-    return [(b"x-request-id", ctx.request_id), (b"x-edgegw-route", why)]
+    return [(b"x-request-id", ctx.request_id), (b"x-edgegw-route", why), *ctx.rate_headers]
 
 
 def _watch(receive, ctx: RequestContext, task: asyncio.Task) -> asyncio.Task:

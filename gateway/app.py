@@ -47,7 +47,7 @@ class Gateway:
         self.metrics = metrics = metrics or Metrics()
         self.gate = Gate(settings, metrics)
         self.fleet = Fleet(settings, metrics)
-        self.dispatcher = Dispatcher(self.fleet, metrics)
+        self.dispatcher = Dispatcher(self.fleet, self.gate, metrics)
         self.cache = CacheLayer(settings.cache, metrics.registry)
         self.pipeline = Pipeline(self.dispatcher, self.cache, settings.limits.keepalive_interval_s)
         self.started = False
@@ -66,6 +66,7 @@ class Gateway:
     async def aclose(self) -> None:
         self.gate.draining = True
         await self.cache.aclose()
+        await self.gate.limiter.aclose()
         await self.fleet.aclose()
 
 
@@ -96,8 +97,8 @@ def create_app(settings: Settings, *, metrics: Metrics | None = None) -> Gateway
 
     pipeline, gate = gateway.pipeline, gateway.gate
     completions = {
-        "/v1/chat/completions": AdmissionApp(CompletionsApp(pipeline, gateway.metrics, CHAT), gate, "chat"),
-        "/v1/completions": AdmissionApp(CompletionsApp(pipeline, gateway.metrics, COMPLETION), gate, "completions"),
+        "/v1/chat/completions": AdmissionApp(CompletionsApp(pipeline, gateway.metrics), gate, "chat", CHAT),
+        "/v1/completions": AdmissionApp(CompletionsApp(pipeline, gateway.metrics), gate, "completions", COMPLETION),
     }
     routes = [
         *(Route(path, app, methods=["POST"]) for path, app in completions.items()),

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 import cache
 from cache import CacheConfig, CacheMetrics, Entry, Flight, Plan, as_chunks, as_json
 from gateway.openai import ParsedRequest
-from gateway.relay import sse_events, sse_payloads
+from gateway.relay import sse_payloads
 from gateway.replies import FollowerReply, ReplayReply
 
 __all__ = ["BYPASS", "HIT", "MISS", "CacheLayer", "Lookup", "Recorder"]
@@ -30,8 +30,7 @@ HIT, MISS, BYPASS = b"HIT", b"MISS", b"BYPASS"
 
 class Lookup:
     """One request's plan and key; ``fields``: what to change in the request sent upstream
-    so that its answer can be stored (None: nothing), ``hide_usage``: the client did not
-    ask for the usage chunk that was asked for on its behalf."""
+    so that its answer can be stored (None: nothing)."""
 
     __slots__ = ("plan", "key", "fields")
 
@@ -39,10 +38,6 @@ class Lookup:
         self.plan = plan
         self.key = key
         self.fields = fields
-
-    @property
-    def hide_usage(self) -> bool:
-        return self.fields is not None and "stream_options" in self.fields
 
 
 class CacheLayer:
@@ -98,38 +93,30 @@ class CacheLayer:
 
 
 class Recorder:
-    """Records the leader's answer as it is relayed, publishes it to followers, and stores
-    it when it completed; ``hide_usage`` keeps the usage chunk asked for on the client's
-    behalf from a client that did not ask."""
+    """Records the leader's answer as it is relayed (every chunk, the usage chunk included:
+    a stored entry answers clients that want usage), publishes it to followers, and stores
+    it when it completed."""
 
-    __slots__ = ("layer", "lookup", "flight", "kind", "hide_usage", "chunks", "saw_done", "body")
+    __slots__ = ("layer", "lookup", "flight", "kind", "chunks", "saw_done", "body")
 
     def __init__(self, layer: CacheLayer, lookup: Lookup, flight: Flight | None, kind: str) -> None:
         self.layer = layer
         self.lookup = lookup
         self.flight = flight
         self.kind = kind
-        self.hide_usage = lookup.hide_usage
         self.chunks: list[bytes] = []  # the flight holds them for followers anyway
         self.saw_done = False
         self.body: bytes | None = None
 
-    async def feed(self, events: bytes) -> bytes:
-        """Record a run of SSE events; returns what the leader's own client gets."""
-        payloads = sse_payloads(events)
-        hidden = False
-        for payload in payloads:
+    async def feed(self, events: bytes) -> None:
+        """Record a run of SSE events."""
+        for payload in sse_payloads(events):
             if payload == b"[DONE]":
                 self.saw_done = True
                 continue
             self.chunks.append(payload)
             if self.flight is not None:
                 await self.flight.publish(payload)
-            if self.hide_usage and cache.is_usage_chunk(payload):
-                hidden = True
-        if hidden:
-            return sse_events([p for p in payloads if p == b"[DONE]" or not cache.is_usage_chunk(p)])
-        return events
 
     async def finish(self, ok: bool) -> bool:
         """Hand the entry to the followers and store it (the backend refuses one over

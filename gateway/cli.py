@@ -179,6 +179,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         server_header=False,
         timeout_graceful_shutdown=settings.limits.drain_timeout_s,
         timeout_keep_alive=75,
+        limit_concurrency=settings.limits.max_connections,
         proxy_headers=False,  # X-Forwarded-For is honoured by routing, from trusted proxies only
     )
     server = _DrainingServer(config)

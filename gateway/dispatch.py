@@ -1,10 +1,14 @@
-"""Route a request and open its reply: the decision, fallbacks before the first byte, hedging.
+"""Route a request and open its reply: the decision, admission by predicted wait, the queue,
+fallbacks before the first byte, hedging.
 
 ``Dispatcher.route`` asks ``routing.decide`` where a request goes (with the client's
-location, the fleet's health and the engine's load). ``Dispatcher.open`` opens a reply on
-the decision's target through the fleet, walking the fallbacks on a connect error, a pool
-timeout, a refused engine or a 5xx before the first byte (within the retry budget), and
-returns an ``Opened``.
+location, the fleet's health and the engine's load). ``Dispatcher.open`` first keeps the
+targets that can start the request within its budget (``_admissible``: the queue's
+predicted wait plus the target's TTFT estimate; none: the request is answered at once),
+then takes a slot in the target's queue (``gateway.queueing``; a request whose deadline
+passes while it waits is dropped, never sent) and opens a reply through the fleet, walking
+the fallbacks on a connect error, a pool timeout, a refused engine or a 5xx before the
+first byte (within the retry budget). It returns an ``Opened``.
 
 Hedging (streams only: a JSON answer's first byte is the whole generation, and hedging it
 would double every long request): the primary's reply is returned at once, wrapped in a
@@ -22,10 +26,20 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
-from gateway.errors import GatewayError, ModelNotFound, NoHealthyUpstream, Overloaded, PoolTimeout, UpstreamConnectError
+from gateway.admission import Gate, RequestContext
+from gateway.errors import (
+    GatewayError,
+    ModelNotFound,
+    NoHealthyUpstream,
+    Overloaded,
+    PoolTimeout,
+    RateLimited,
+    UpstreamConnectError,
+)
 from gateway.fleet import Fleet
 from gateway.observability import Metrics
 from gateway.openai import ParsedRequest
+from gateway.queueing import QueueDeadline
 from gateway.replies import Reply
 from routing import NoRoute, RouteDecision, Target, TargetKind, UnknownModel, decide, locate_client, request_from_openai
 
@@ -41,13 +55,16 @@ class Opened:
 
     reply: Reply
     target: Target  # where the reply comes from (a hedge may still overtake it)
-    attempt: int  # 1 for the decision's target, n for its (n-1)th fallback
-    hedged: bool  # the reply is a ``HedgedReply`` (a hedge may start if the first event is late)
+    attempt: int  # 1 for the first target tried, n for the (n-1)th fallback after it
+    hedged: bool = False  # the reply is a ``HedgedReply`` (a hedge may start if the first event is late)
+    queued: float = 0.0  # seconds it waited in the gateway's queue for its target
+    note: str = ""  # for the route header: why the decision's target was passed over
 
 
 class Dispatcher:
-    def __init__(self, fleet: Fleet, metrics: Metrics) -> None:
+    def __init__(self, fleet: Fleet, gate: Gate, metrics: Metrics) -> None:
         self.fleet = fleet
+        self.gate = gate
         self.metrics = metrics
         self.settings = fleet.settings
         self.rng = random.Random()  # the balancer's random source
@@ -85,12 +102,13 @@ class Dispatcher:
             retry_after = exc.retry_after_s or self.settings.limits.retry_after_s
             raise NoHealthyUpstream(f"no healthy route for model '{parsed.model}': {exc}", retry_after=retry_after) from None
 
-    async def open(
-        self, decision: RouteDecision, parsed: ParsedRequest, forward: list[tuple[bytes, bytes]], request_id: str
-    ) -> Opened:
-        """The first reply that starts well; a stream is hedged if the decision says so."""
-        started = time.monotonic()
-        opened = await self._open_with_fallbacks(decision, parsed, forward, request_id)
+    async def open(self, decision: RouteDecision, parsed: ParsedRequest, ctx: RequestContext) -> Opened:
+        """The first reply that starts well, from the first target that can start it within
+        the request's budget; a stream is hedged if the decision says so."""
+        deadline = ctx.arrival + decision.budget_ms / 1000
+        targets, note = self._admissible(decision, ctx, deadline)
+        opened = await self._open_with_fallbacks(targets, parsed, ctx, deadline)
+        opened.note = note
         hedge_target = decision.hedge_target
         if (
             decision.hedge_after_ms is None
@@ -102,18 +120,55 @@ class Dispatcher:
             return opened
 
         async def start_hedge() -> Reply:
-            return await self.fleet.open_target(hedge_target, parsed, forward, request_id)
+            return await self.open_one(hedge_target, parsed, ctx, None)
 
         opened.reply = HedgedReply(
             opened.reply,
             start_hedge,
-            started + decision.hedge_after_ms / 1000,
+            ctx.arrival + decision.hedge_after_ms / 1000,
             self.settings.limits.keepalive_interval_s,
             self._may_hedge,
             self._hedge_won,
         )
         opened.hedged = True
         return opened
+
+    def _admissible(self, decision: RouteDecision, ctx: RequestContext, deadline: float) -> tuple[tuple[Target, ...], str]:
+        """The decision's targets from the first one that is predicted to start the request
+        within its budget (queue wait by Little's law + the target's TTFT estimate; a target
+        with nothing to wait for always qualifies), and a note when that is not the first.
+        When none is, the request is answered at once: 429 when the tenant's own backlog is
+        what it would wait behind, else 503 (and ``/readyz`` says so for a moment)."""
+        targets = (decision.target, *decision.fallbacks)
+        if not self.settings.admission.predict:
+            return targets, ""
+        tenant = ctx.tenant
+        left = deadline - time.monotonic()
+        waits = []
+        for i, target in enumerate(targets):
+            wait = self.fleet.queue(target).predicted_wait(tenant)
+            if wait == 0.0 or wait + (target.predicted_ttft_ms or 0.0) / 1000 <= left:
+                if i == 0:
+                    return targets, ""
+                first = decision.target.label()
+                return targets[i:], f"admitted-to={target.label()} ({first} predicted {waits[0] * 1000:.0f} ms of queue)"
+            waits.append(wait)
+        retry_after = max(1.0, min(waits))
+        budget = f"its budget of {decision.budget_ms:.0f} ms"
+        if self.fleet.queue(decision.target).waiting_of(tenant):
+            self.metrics.shed.labels("tenant_backlog", tenant.priority).inc()
+            raise RateLimited(
+                f"this API key's own requests already wait for {decision.target.label()}: none could start within {budget}",
+                code="tenant_backlog",
+                retry_after=retry_after,
+            )
+        self.metrics.shed.labels("capacity", tenant.priority).inc()
+        self.gate.shed_for_capacity()
+        raise Overloaded(
+            f"no target can start this request within {budget} (shortest predicted wait {min(waits) * 1000:.0f} ms)",
+            code="capacity_exceeded",
+            retry_after=retry_after,
+        )
 
     def _may_hedge(self) -> bool:
         if not self.fleet.health.try_retry(time.monotonic()):
@@ -124,10 +179,27 @@ class Dispatcher:
     def _hedge_won(self) -> None:
         self.metrics.hedge_wins.inc()
 
+    async def open_one(self, target: Target, parsed: ParsedRequest, ctx: RequestContext, deadline: float | None) -> Reply:
+        """Take a slot at ``target`` (waiting in its queue, dropped if ``deadline`` passes
+        first) and open the reply there; the reply gives the slot back when it ends."""
+        queue = self.fleet.queue(target)
+        try:
+            slot = await queue.acquire(ctx.tenant, deadline)
+        except QueueDeadline:
+            self.metrics.shed.labels("deadline", ctx.tenant.priority).inc()
+            raise
+        self.metrics.queue_wait.labels(queue.name, ctx.tenant.priority).observe(slot.waited)
+        try:
+            reply = await self.fleet.open_target(target, parsed, ctx, deadline)
+        except BaseException:
+            slot.release()
+            raise
+        reply.slot = slot
+        return reply
+
     async def _open_with_fallbacks(
-        self, decision: RouteDecision, parsed: ParsedRequest, forward: list[tuple[bytes, bytes]], request_id: str
+        self, targets: tuple[Target, ...], parsed: ParsedRequest, ctx: RequestContext, deadline: float
     ) -> Opened:
-        targets = (decision.target, *decision.fallbacks)
         attempts = targets[: self.settings.limits.max_attempts]
         health = self.fleet.health
         last_error: GatewayError | None = None
@@ -137,14 +209,16 @@ class Dispatcher:
                     break
                 self.metrics.failovers.inc()
             try:
-                reply = await self.fleet.open_target(target, parsed, forward, request_id)
+                reply = await self.open_one(target, parsed, ctx, deadline)
+            except QueueDeadline:
+                raise  # the budget is spent: another target cannot start it in time either
             except _RETRYABLE as exc:
                 last_error = exc
                 continue
             if reply.status >= 500 and attempt < len(attempts):
                 await reply.aclose()
                 continue
-            return Opened(reply, target, attempt, False)
+            return Opened(reply, target, attempt, queued=reply.slot.waited if reply.slot is not None else 0.0)
         message = f"no endpoint for model '{parsed.model}' could be reached"
         retry_after = self.settings.limits.retry_after_s
         if last_error is not None:

@@ -76,6 +76,8 @@ class EngineReply(Reply):
     async def aclose(self) -> None:
         if self._chunks is not None:
             await self._chunks.aclose()
+        if self.slot is not None:
+            self.slot.release()
 
 
 class EdgeBackend:
@@ -106,7 +108,13 @@ class EdgeBackend:
         except EngineError as exc:
             raise engine_error(exc) from None
 
-    async def reply(self, kind: str, data: dict, request_id: str, ping: float) -> EngineReply:
+    async def reply(
+        self, kind: str, data: dict, request_id: str, ping: float, rank: int = 0, deadline: float | None = None
+    ) -> EngineReply:
+        """Prepare (off the event loop) and return the engine's reply. ``rank`` is the
+        tenant's priority class (0 interactive): the engine runs interactive sequences first
+        and preempts batch ones for them, whatever the request body says."""
+        data = {**data, "priority": "interactive" if rank == 0 else "batch"}
         try:
             prepared = await asyncio.to_thread(self.serving.prepare, kind, data)
         except EngineError as exc:

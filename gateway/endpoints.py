@@ -28,8 +28,8 @@ from gateway.admission import Gate, RequestContext, request_id_of
 from gateway.errors import GatewayError, PayloadTooLarge, send_error
 from gateway.fleet import Fleet
 from gateway.observability import Metrics
-from gateway.openai import parse_request
 from gateway.pipeline import Answer, Pipeline
+from gateway.tenants import Tenant
 from gateway.relay import respond_json, respond_sse, respond_websocket, ws_error
 
 __all__ = ["CompletionsApp", "HealthzApp", "MetricsApp", "ModelsApp", "ReadyzApp", "WebSocketApp"]
@@ -39,20 +39,18 @@ _WS_QUEUE = 16  # WebSocket messages read ahead of the one being answered
 
 
 class CompletionsApp:
-    """``POST /v1/chat/completions`` (``kind="chat"``) and ``POST /v1/completions``."""
+    """``POST /v1/chat/completions`` and ``POST /v1/completions`` (admission parsed the body)."""
 
-    def __init__(self, pipeline: Pipeline, metrics: Metrics, kind: str) -> None:
+    def __init__(self, pipeline: Pipeline, metrics: Metrics) -> None:
         self.pipeline = pipeline
         self.metrics = metrics
-        self.kind = kind
 
     async def __call__(self, scope, receive, send) -> None:
         ctx: RequestContext = scope["edgegw"]
         answer = Answer()
         failure: BaseException | None = None
         try:
-            parsed = parse_request(self.kind, ctx.body)
-            ctx.model = parsed.model
+            parsed = ctx.parsed
             await self.pipeline.answer(ctx, parsed, answer)
             reply = answer.reply
             ctx.via = reply.label
@@ -68,7 +66,8 @@ class CompletionsApp:
                 raise  # the response had started: nothing more can be said to this client
             ctx.status = exc.status
             route = (b"x-edgegw-route", answer.route_of_failure(exc))
-            await send_error(send, exc, [(b"x-request-id", ctx.request_id), route, (b"server-timing", ctx.timing.header())])
+            headers = [(b"x-request-id", ctx.request_id), route, (b"server-timing", ctx.timing.header()), *ctx.rate_headers]
+            await send_error(send, exc, headers)
         except BaseException as exc:
             failure = exc
             raise
@@ -88,6 +87,11 @@ class WebSocketApp:
         if self.gate.draining:
             await send({"type": "websocket.close", "code": 1013})  # try again later
             return
+        try:
+            tenant = self.gate.tenants.identify(scope["headers"])
+        except GatewayError:
+            await send({"type": "websocket.close", "code": 1008})  # policy violation: no (known) key
+            return
         await send({"type": "websocket.accept"})
         socket = _Socket(asyncio.current_task())
         reader = asyncio.get_running_loop().create_task(socket.read(receive))
@@ -98,30 +102,27 @@ class WebSocketApp:
                 if socket.gone:
                     return  # nobody to answer what is still queued
                 request_id = socket_id if number == 1 else socket_id + b"." + str(number).encode()
-                if await self._serve_one(scope, send, socket, request_id, _text_of(message)):
+                if await self._serve_one(scope, send, socket, tenant, request_id, _text_of(message)):
                     return
         finally:
             reader.cancel()
 
-    async def _serve_one(self, scope, send, socket: _Socket, request_id: bytes, body: bytes) -> bool:
+    async def _serve_one(self, scope, send, socket: _Socket, tenant: Tenant, request_id: bytes, body: bytes) -> bool:
         """Answer one message; True when the client left meanwhile."""
         gate = self.gate
         ctx = RequestContext(scope, request_id, "ws")
+        ctx.tenant = tenant
         answer = Answer()
         failure: BaseException | None = None
-        entered = False
         socket.busy = True
         try:
-            gate.enter()
-            entered = True
             limit = gate.settings.limits.max_body_bytes
             if len(body) > limit:
                 raise PayloadTooLarge(f"request of {len(body)} bytes exceeds the limit of {limit} bytes")
-            parsed = parse_request(None, body)
+            ctx.body = body
+            parsed = await gate.admit(ctx, None, [(b"accept", b"text/event-stream")])
             if not parsed.stream:
                 parsed = parsed.with_fields(stream=True)
-            ctx.model = parsed.model
-            gate.admit(ctx, [(b"accept", b"text/event-stream")])
             ctx.timing.mark("admit")
             await self.pipeline.answer(ctx, parsed, answer)
             ctx.via = answer.reply.label
@@ -141,8 +142,6 @@ class WebSocketApp:
         finally:
             socket.busy = False
             await answer.close(failure)
-            if entered:
-                gate.leave()
             gate.done(ctx)
         return ctx.gone
 
@@ -210,8 +209,8 @@ class HealthzApp:
 
 
 class ReadyzApp:
-    """200 when the gateway can serve something; 503 while starting or draining, so a load
-    balancer steers away."""
+    """200 when the gateway can serve something; 503 while starting, draining or shedding
+    for capacity, so a load balancer steers away."""
 
     def __init__(self, gateway) -> None:
         self.gateway = gateway  # gateway.app.Gateway
@@ -220,6 +219,8 @@ class ReadyzApp:
         gateway = self.gateway
         if gateway.gate.draining:
             await _send_json(send, 503, {"status": "draining"})
+        elif gateway.gate.shedding:
+            await _send_json(send, 503, {"status": "shedding"})
         elif gateway.started and gateway.fleet.is_ready():
             await _send_json(send, 200, {"status": "ready"})
         else:

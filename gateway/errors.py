@@ -7,13 +7,14 @@ at the seam where they are caught, so that the HTTP layer has one mapping to sta
 GatewayError                       -> {"error": {"message", "type", "param", "code"}}
 ├── InvalidRequest          400    malformed JSON, missing or invalid fields
 ├── AuthenticationError     401    missing or unknown API key
+├── PermissionDenied        403    the tenant may not use this model
 ├── ModelNotFound           404    no cluster and no engine serves the model
 ├── RequestTimeout          408    the request body did not arrive within limits.body_timeout_s
 ├── PayloadTooLarge         413    request body over limits.max_body_bytes
-├── RateLimited             429    tenant over its rate (Retry-After)
+├── RateLimited             429    tenant over its rate or concurrency (Retry-After)
 ├── UpstreamError           502    upstream broke or answered nonsense
 │   └── UpstreamConnectError       could not open (or reuse) a connection
-├── Overloaded              503    admission queue full (Retry-After)
+├── Overloaded              503    the gateway or a target is at capacity (Retry-After)
 ├── NoHealthyUpstream       503    every endpoint of the cluster is down (Retry-After)
 └── UpstreamTimeout         504    no byte from the upstream within the read timeout
 
@@ -32,6 +33,7 @@ __all__ = [
     "GatewayError",
     "InvalidRequest",
     "AuthenticationError",
+    "PermissionDenied",
     "ModelNotFound",
     "PayloadTooLarge",
     "RequestTimeout",
@@ -91,6 +93,12 @@ class AuthenticationError(GatewayError):
     status = 401
     type = "authentication_error"
     code = "invalid_api_key"
+
+
+class PermissionDenied(GatewayError):
+    status = 403
+    type = "invalid_request_error"
+    code = "permission_denied"
 
 
 class ModelNotFound(GatewayError):

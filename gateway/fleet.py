@@ -17,14 +17,17 @@ from __future__ import annotations
 import asyncio
 import importlib
 import logging
+import math
 import time
 from collections.abc import Iterator
 
 import orjson
 
+from gateway.admission import RequestContext
 from gateway.errors import GatewayError, NoHealthyUpstream, PoolTimeout, UpstreamConnectError
 from gateway.observability import Metrics, Sample
 from gateway.openai import ParsedRequest
+from gateway.queueing import TargetQueue
 from gateway.replies import Reply, UpstreamReply
 from gateway.settings import ClusterSettings, Settings
 from gateway.upstream import Upstream
@@ -125,6 +128,7 @@ class Fleet:
         self.table: RoutingTable | None = None
         self.health: HealthState | None = None
         self.feed: HealthFeed | None = None
+        self.queues: dict[str, TargetQueue] = {}  # endpoint URL or "edge" -> its queue
         self._tasks: set[asyncio.Task] = set()
 
     # -- lifecycle -------------------------------------------------------------------
@@ -140,10 +144,28 @@ class Fleet:
                     upstream = self.upstreams[endpoint.url] = Upstream(endpoint, cluster_settings.name, high_water=high_water)
                 upstreams.append(upstream)
             self.clusters.append(Cluster(cluster_settings, upstreams))
+        admission = settings.admission
+        for cluster_settings in settings.clusters:
+            for endpoint in cluster_settings.endpoints:
+                self.queues[endpoint.url] = TargetQueue(
+                    endpoint.url,
+                    endpoint.max_concurrency,
+                    adaptive=endpoint.adaptive,
+                    max_limit=endpoint.max_concurrency or endpoint.pool_size,
+                    ageing_s=admission.ageing_s,
+                    max_queue=admission.max_queue,
+                )
         if settings.edge.enabled:
             # imported here, not at the top: the engine needs torch, a relay-only gateway does not
             edge = importlib.import_module("gateway.edge")
             self.edge = await edge.EdgeBackend.start(settings.edge)
+            self.queues["edge"] = TargetQueue(
+                "edge",
+                settings.edge.max_concurrency or settings.edge.max_num_seqs,
+                ageing_s=admission.ageing_s,
+                max_queue=admission.max_queue,
+                preemptive=True,  # its scheduler preempts lower classes for a better one
+            )
         self.geo = await asyncio.to_thread(_open_geo, self.routing)
         self.health = HealthState.from_config(self.routing, list(self.upstreams))
         self.feed = HealthFeed(self.health, self.metrics)
@@ -250,26 +272,43 @@ class Fleet:
                 yield "edgegw_endpoint_ttft_ewma_seconds", "Measured TTFT (EWMA).", labels, view["ttft_ms"] / 1e3
         if self.edge is not None:
             yield from self.edge.gauges()
+        for name, queue in self.queues.items():
+            labels = {"target": name}
+            yield "edgegw_target_active", "Requests sent to the target and not finished.", labels, queue.active
+            yield "edgegw_target_waiting", "Requests waiting in the gateway for the target.", labels, queue.waiting
+            if queue.limit is not None:
+                yield "edgegw_target_limit", "The target's concurrency limit at the gateway.", labels, queue.limit
 
     # -- opening one target ----------------------------------------------------------
 
+    def queue(self, target: Target) -> TargetQueue:
+        return self.queues["edge" if target.kind is TargetKind.EDGE else target.endpoint]
+
     async def open_target(
-        self, target: Target, parsed: ParsedRequest, forward: list[tuple[bytes, bytes]], request_id: str
+        self, target: Target, parsed: ParsedRequest, ctx: RequestContext, deadline: float | None
     ) -> Reply:
-        """Send ``parsed`` to ``target``; the reply as soon as its status and headers are in."""
+        """Send ``parsed`` to ``target`` (its slot taken); the reply as soon as its status and
+        headers are in. What is left of the request's budget goes with it: as the
+        ``x-latency-budget-ms`` header (an edgegw behind keeps the same deadline), as the
+        time a stream's upstream has to answer, and as the engine's deadline."""
         if parsed.model != target.model:
             parsed = parsed.with_fields(model=target.model)  # an alias resolved by routing
         limits = self.settings.limits
+        now = time.monotonic()
+        left = None if deadline is None else max(0.001, deadline - now)
         if target.kind is TargetKind.EDGE:
             if self.edge is None:
                 raise NoHealthyUpstream("no edge engine in this gateway", retry_after=limits.retry_after_s)
-            return await self.edge.reply(parsed.kind, parsed.data, request_id, limits.keepalive_interval_s)
+            return await self.edge.reply(
+                parsed.kind, parsed.data, ctx.request_id.decode(), limits.keepalive_interval_s, ctx.tenant.rank, deadline
+            )
         upstream = self.upstreams[target.endpoint]
+        forward = ctx.forward if left is None else [*ctx.forward, (b"x-latency-budget-ms", b"%d" % math.ceil(left * 1000))]
         feed = self.feed
-        sent_at = time.monotonic()
+        sent_at = now
         feed.sent(upstream.url, sent_at)
         try:
-            response = await upstream.request(parsed.kind, forward, parsed.body)
+            response = await upstream.request(parsed.kind, forward, parsed.body, left if parsed.stream else None)
         except BaseException as exc:
             feed.not_opened(upstream.url, exc, sent_at, time.monotonic())
             raise

@@ -4,6 +4,7 @@ Stages (Server-Timing names), each starting where the previous one ended:
   admit     request read, admission passed
   cache     the cache lookup (``desc``: hit, coalesced)
   route     the routing decision
+  queue     waiting in the gateway's queue in front of the target (gateway.queueing)
   pool      waiting for an upstream connection (connect included when a new one opened)
   upstream  from sending the request to the upstream's response headers (its queue + prefill
             for a streaming server that sends headers with the first token)
@@ -49,12 +50,22 @@ class Timing:
         self._mark = now
         return now
 
-    def upstream(self, pool_wait: float, attempts: int) -> None:
-        """Close the upstream stages: pool wait (connect included), then time to first byte."""
+    def upstream(self, queued: float, pool_wait: float, attempts: int) -> None:
+        """Close the upstream stages: the gateway's queue, the pool (connect included), then
+        the time to the upstream's first byte."""
         now = time.perf_counter()
+        self.stages.append(("queue", queued, None))
         self.stages.append(("pool", pool_wait, None))
         desc = "first byte" if attempts == 1 else f"first byte, attempt {attempts}"
-        self.stages.append(("upstream", now - self._mark - pool_wait, desc))
+        self.stages.append(("upstream", max(0.0, now - self._mark - pool_wait - queued), desc))
+        self._mark = now
+
+    def engine(self, queued: float) -> None:
+        """Close the edge engine's stages: the gateway's queue, then the prompt rendered and
+        tokenised (its time to first token shows in the TTFT histogram)."""
+        now = time.perf_counter()
+        self.stages.append(("queue", queued, None))
+        self.stages.append(("engine", max(0.0, now - self._mark - queued), "prompt rendered and tokenised"))
         self._mark = now
 
     def elapsed(self) -> float:
@@ -86,7 +97,7 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry = registry if registry is not None else CollectorRegistry()
         self.requests = Counter(
-            "edgegw_requests", "Requests answered, by API and status (499: the client left).", ["api", "status"], registry=registry
+            "edgegw_requests", "Requests answered, by API, status (499: the client left) and tenant.", ["api", "status", "tenant"], registry=registry
         )
         self.ttft = Histogram(
             "edgegw_ttft_seconds",
@@ -122,14 +133,30 @@ class Metrics:
         )
         self.in_flight = Gauge("edgegw_in_flight_requests", "Requests being served.", registry=registry)
         self._series: dict[tuple[str, str], Series] = {}
-        self._counts: dict[tuple[str, int], object] = {}
+        self.rate_limited = Counter(
+            "edgegw_rate_limited", "Requests refused by a tenant's rate limit.", ["tenant", "limit"], registry=registry
+        )
+        self.queue_wait = Histogram(
+            "edgegw_queue_seconds",
+            "Time a request waited in the gateway's queue in front of its target.",
+            ["target", "priority"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.shed = Counter(
+            "edgegw_shed",
+            "Requests answered at once because no target could start them within their budget, or dropped when it passed.",
+            ["reason", "priority"],
+            registry=registry,
+        )
+        self._counts: dict[tuple[str, int, str], object] = {}
 
-    def count(self, api: str, status: int) -> None:
-        """``requests{api, status}`` += 1, with the labelled child looked up once."""
-        key = (api, status)
+    def count(self, api: str, status: int, tenant: str) -> None:
+        """``requests{api, status, tenant}`` += 1, with the labelled child looked up once."""
+        key = (api, status, tenant)
         child = self._counts.get(key)
         if child is None:
-            child = self._counts[key] = self.requests.labels(api, str(status))
+            child = self._counts[key] = self.requests.labels(api, str(status), tenant)
         child.inc()
 
     def watch(self, read: Callable[[], Iterable[Sample]]) -> None:

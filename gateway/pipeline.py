@@ -14,7 +14,7 @@ import time
 
 import orjson
 
-from cache import Flight, FlightAborted
+from cache import Flight, FlightAborted, usage_fields
 from gateway.admission import RequestContext
 from gateway.caching import BYPASS, HIT, MISS, CacheLayer, Lookup, Recorder
 from gateway.dispatch import Dispatcher
@@ -29,7 +29,7 @@ __all__ = ["Answer", "Pipeline"]
 class Answer:
     """A request's reply, with what the response headers say about how it was found."""
 
-    __slots__ = ("reply", "x_cache", "age", "route", "recorder", "flight", "ttft", "failed_mid_stream")
+    __slots__ = ("reply", "x_cache", "age", "route", "recorder", "flight", "ttft", "failed_mid_stream", "hide_usage")
 
     def __init__(self) -> None:
         self.reply: Reply | None = None
@@ -40,6 +40,7 @@ class Answer:
         self.flight: Flight | None = None
         self.ttft: float | None = None  # seconds from arrival to the first relayed event
         self.failed_mid_stream: GatewayError | None = None
+        self.hide_usage = False  # the usage chunk was asked for on the client's behalf
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         headers = [(b"x-edgegw-route", self.route)]
@@ -73,7 +74,7 @@ class Pipeline:
         lookup: Lookup | None = None
         layer = self.cache
         if layer.enabled:
-            lookup = layer.plan(parsed, ctx.tenant, ctx.headers)
+            lookup = layer.plan(parsed, ctx.tenant.name, ctx.headers)
             answer.x_cache = BYPASS
             if lookup.plan.lookup:
                 entry = await layer.get(lookup)
@@ -102,20 +103,26 @@ class Pipeline:
         decision = await self.dispatcher.route(parsed, ctx.peer, ctx.headers, budget_ms=ctx.budget_ms)
         timing.mark("route")
         sent = parsed
-        if lookup is not None and lookup.fields is not None:
-            sent = sent.with_fields(**lookup.fields)
+        fields = dict(lookup.fields) if lookup is not None and lookup.fields else {}
+        if ctx.wants_usage:
+            fields.update(usage_fields(parsed.data) or {})  # the tenant's tokens are settled with it
+        if fields:
+            answer.hide_usage = "stream_options" in fields
+            sent = sent.with_fields(**fields)
         cascade = decision.cascade_threshold is not None and decision.target.kind is TargetKind.EDGE and not parsed.stream
         if cascade:
             sent = sent.with_fields(logprobs=0 if parsed.kind == COMPLETION else True)
-        opened = await self.dispatcher.open(decision, sent, ctx.forward, ctx.request_id.decode())
+        opened = await self.dispatcher.open(decision, sent, ctx)
         reply = answer.reply = opened.reply
         if opened.target.kind is TargetKind.EDGE:
-            timing.mark("engine", "prompt rendered and tokenised")
+            timing.engine(opened.queued)
         else:
-            timing.upstream(reply.pool_wait, opened.attempt)
+            timing.upstream(opened.queued, reply.pool_wait, opened.attempt)
         route = _route_header(decision)
         if opened.target is not decision.target:
             route += b"; served-by=" + opened.target.label().encode()
+        if opened.note:
+            route += b"; " + opened.note.encode("ascii", "replace")
         if cascade and reply.status == 200:
             answer.reply = None  # _cascade closes it
             answer.reply, note = await self._cascade(decision, parsed, reply, ctx)
@@ -149,7 +156,7 @@ class Pipeline:
         central = next((t for t in decision.fallbacks if t.kind is TargetKind.ENDPOINT), None)
         escalate, mean = cascade_verdict(data, decision.cascade_threshold)
         if escalate and central is not None:
-            escalated = await self.dispatcher.fleet.open_target(central, parsed, ctx.forward, ctx.request_id.decode())
+            escalated = await self.dispatcher.open_one(central, parsed, ctx, None)
             note = f"; cascaded=1 (edge mean logprob {mean:.2f} < {decision.cascade_threshold:g}) served-by={central.label()}"
             return escalated, note.encode()
         if parsed.data.get("logprobs") in (None, False):  # asked for on the client's behalf

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import orjson
 
+from cache import is_usage_chunk
 from gateway.errors import GatewayError, UpstreamProtocolError, UpstreamReadTimeout, error_body
 from gateway.upstream.base import Body
 
@@ -44,6 +45,7 @@ __all__ = [
     "sse_event",
     "sse_events",
     "sse_payloads",
+    "usage_tokens",
     "ws_error",
 ]
 
@@ -150,12 +152,15 @@ class EventReader:
 # -- the event pipeline -------------------------------------------------------------------
 
 
-async def measured(answer: Answer, series: Series, start: float) -> AsyncIterator[bytes | None]:
+async def measured(ctx: RequestContext, answer: Answer, series: Series) -> AsyncIterator[bytes | None]:
     """The answer's events as the client should get them, for every transport: recorded for
-    the cache and its followers, measured (TTFT, inter-token gaps) and reported to the reply
+    the cache and its followers, measured (TTFT, inter-token gaps), their usage read (and
+    the usage chunk asked for on the client's behalf taken out), and reported to the reply
     (its first token, its end); ``None`` after a quiet spell. When the reply breaks off, the
     recording is aborted, the failure reported, and the ``GatewayError`` raised."""
     reply, recorder = answer.reply, answer.recorder
+    start = ctx.timing.start
+    usage = answer.hide_usage or ctx.wants_usage
     chunks = 0
     last = 0.0
     while True:
@@ -183,7 +188,31 @@ async def measured(answer: Answer, series: Series, start: float) -> AsyncIterato
             reply.first_token(time.monotonic())
         last = now
         chunks += 1
-        yield events if recorder is None else await recorder.feed(events)
+        if recorder is not None:
+            await recorder.feed(events)
+        if usage and b'"usage"' in events:
+            events = _take_usage(ctx, events, answer.hide_usage)
+        yield events
+
+
+def _take_usage(ctx: RequestContext, events: bytes, hide: bool) -> bytes:
+    """Read the usage chunk's total tokens into ``ctx``; without it when ``hide``."""
+    payloads = sse_payloads(events)
+    kept = []
+    for payload in payloads:
+        if payload != b"[DONE]" and is_usage_chunk(payload):
+            ctx.usage_tokens = usage_tokens(orjson.loads(payload))
+            if hide:
+                continue
+        kept.append(payload)
+    return sse_events(kept) if len(kept) < len(payloads) else events
+
+
+def usage_tokens(answer: dict) -> int | None:
+    """``usage.total_tokens`` of an OpenAI answer or chunk, if it says."""
+    usage = answer.get("usage") if isinstance(answer, dict) else None
+    total = usage.get("total_tokens") if isinstance(usage, dict) else None
+    return total if isinstance(total, int) and not isinstance(total, bool) else None
 
 
 # -- writers ------------------------------------------------------------------------------
@@ -192,6 +221,8 @@ async def measured(answer: Answer, series: Series, start: float) -> AsyncIterato
 def _headers(ctx: RequestContext, answer: Answer) -> list[tuple[bytes, bytes]]:
     reply = answer.reply
     headers = [(k, v) for k, v in reply.headers if k not in _DROP_RESPONSE_HEADERS]
+    if ctx.rate_headers:  # the tenant's limits here replace whatever the upstream counted
+        headers = [(k, v) for k, v in headers if not k.startswith(b"x-ratelimit-")] + ctx.rate_headers
     headers.append((b"x-request-id", ctx.request_id))
     headers += answer.headers()
     return headers
@@ -205,6 +236,11 @@ async def respond_json(send, ctx: RequestContext, answer: Answer, series: Series
     if answer.recorder is not None:
         answer.recorder.body = data
         await answer.recorder.finish(ok)
+    if ok and ctx.wants_usage:
+        try:
+            ctx.usage_tokens = usage_tokens(orjson.loads(data))
+        except orjson.JSONDecodeError:
+            pass
     headers = _headers(ctx, answer)
     headers.append((b"content-length", str(len(data)).encode()))
     headers.append((b"server-timing", ctx.timing.header()))
@@ -233,7 +269,7 @@ async def respond_sse(send, ctx: RequestContext, answer: Answer, series: Series)
     await send({"type": "http.response.start", "status": reply.status, "headers": headers})
     message = {"type": "http.response.body", "body": b"", "more_body": True}
     try:
-        async with contextlib.aclosing(measured(answer, series, ctx.timing.start)) as stream:
+        async with contextlib.aclosing(measured(ctx, answer, series)) as stream:
             async for events in stream:
                 if events is None:
                     if reply.in_event:
@@ -265,7 +301,7 @@ async def respond_websocket(send, ctx: RequestContext, answer: Answer, series: S
         return
     ctx.status = reply.status
     message = {"type": "websocket.send", "text": ""}
-    async with contextlib.aclosing(measured(answer, series, ctx.timing.start)) as stream:
+    async with contextlib.aclosing(measured(ctx, answer, series)) as stream:
         async for events in stream:
             for payload in sse_payloads(events) if events else ():
                 if payload != b"[DONE]":

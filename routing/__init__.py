@@ -25,7 +25,7 @@ from .config import (
 )
 from .errors import InvalidTransition, NoRoute, RoutingError, TableError, UnknownModel
 from .explain import describe, explain
-from .features import mean_logprob, request_from_openai
+from .features import estimate_prompt_tokens, mean_logprob, request_from_openai
 from .geo import DBIP_ATTRIBUTION, GeoLocator, TrustedProxies, client_address, haversine_km
 from .health import BreakerState, HealthState, RetryBudget
 from .policy import cascade_verdict, decide, locate_client
@@ -71,6 +71,7 @@ __all__ = [
     "client_address",
     "decide",
     "describe",
+    "estimate_prompt_tokens",
     "explain",
     "haversine_km",
     "locate_client",

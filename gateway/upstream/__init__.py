@@ -77,9 +77,12 @@ class Upstream:
             headers={"authorization": f"Bearer {key}"} if key else None,
         )
 
-    async def request(self, kind: str, headers: list[tuple[bytes, bytes]], body: bytes) -> UpstreamResponse:
-        """POST ``body`` to the API of ``kind`` ("chat" or "completion") with ``headers``."""
-        return await self.pool.request(b"POST", self.base + _API_PATHS[kind], self.headers + headers, body)
+    async def request(
+        self, kind: str, headers: list[tuple[bytes, bytes]], body: bytes, head_within: float | None = None
+    ) -> UpstreamResponse:
+        """POST ``body`` to the API of ``kind`` ("chat" or "completion") with ``headers``; the
+        response headers must come within ``head_within`` seconds (default: the read timeout)."""
+        return await self.pool.request(b"POST", self.base + _API_PATHS[kind], self.headers + headers, body, head_within)
 
     async def aclose(self) -> None:
         await self.client.aclose()  # closes the pool through the transport

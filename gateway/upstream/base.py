@@ -233,8 +233,10 @@ class UpstreamResponse:
 
 class Pool(Protocol):
     async def request(
-        self, method: bytes, path: bytes, headers: list[tuple[bytes, bytes]], body: bytes
-    ) -> UpstreamResponse: ...
+        self, method: bytes, path: bytes, headers: list[tuple[bytes, bytes]], body: bytes, head_within: float | None = None
+    ) -> UpstreamResponse:
+        """``head_within``: seconds the response headers may take (default: the read timeout)."""
+        ...
 
     async def warm(self) -> None: ...
 
@@ -270,7 +272,15 @@ async def wait_closed(connections, timeout: float = 1.0) -> None:
             conn.transport.abort()
 
 
-def head_timeout(head: asyncio.Future, timeout: float) -> None:
-    """``call_later`` target: fail a response-headers future that waited too long."""
+def head_timeout(head: asyncio.Future, timeout: float, budget: bool = False) -> None:
+    """``call_later`` target: fail a response-headers future that waited too long (``budget``:
+    the limit was what was left of the request's latency budget)."""
     if not head.done():
-        head.set_exception(UpstreamReadTimeout(f"no response headers from the upstream within {timeout:g} s"))
+        if budget:
+            error = UpstreamReadTimeout(
+                f"no response headers from the upstream within the request's latency budget ({timeout * 1000:.0f} ms left)",
+                code="deadline_exceeded",
+            )
+        else:
+            error = UpstreamReadTimeout(f"no response headers from the upstream within {timeout:g} s")
+        head.set_exception(error)

@@ -130,12 +130,17 @@ class _H1Connection(asyncio.Protocol):
 
     # -- one exchange ----------------------------------------------------------------
 
-    async def exchange(self, data: bytes, timeout: float) -> tuple[int, list[tuple[bytes, bytes]], Body]:
+    async def exchange(
+        self, data: bytes, timeout: float, within: float | None
+    ) -> tuple[int, list[tuple[bytes, bytes]], Body]:
         head = self._head = self._loop.create_future()
         self._got_bytes = False
         self._body = None
         self.transport.write(data)  # type: ignore[union-attr]
-        handle = self._loop.call_later(timeout, head_timeout, head, timeout)
+        if within is not None and within < timeout:
+            handle = self._loop.call_later(within, head_timeout, head, within, True)
+        else:
+            handle = self._loop.call_later(timeout, head_timeout, head, timeout)
         try:
             status, headers, body = await head
         except BaseException:
@@ -189,7 +194,7 @@ class H1Pool:
     # -- public --------------------------------------------------------------------
 
     async def request(
-        self, method: bytes, path: bytes, headers: list[tuple[bytes, bytes]], body: bytes
+        self, method: bytes, path: bytes, headers: list[tuple[bytes, bytes]], body: bytes, head_within: float | None = None
     ) -> UpstreamResponse:
         head = b"".join(
             [
@@ -211,7 +216,7 @@ class H1Pool:
             conn, reused = await self._acquire()
             pool_wait = time.perf_counter() - started
             try:
-                status, response_headers, response_body = await conn.exchange(data, self._timeouts.read)
+                status, response_headers, response_body = await conn.exchange(data, self._timeouts.read, head_within)
             except _Stale:
                 if reused and attempt == 0:
                     continue  # the server closed an idle connection as we used it: retry once, fresh

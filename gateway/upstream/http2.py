@@ -189,7 +189,7 @@ class _H2Connection(asyncio.Protocol):
     # -- requests --------------------------------------------------------------------
 
     async def exchange(
-        self, headers: list[tuple[bytes, bytes]], body: bytes, timeouts: Timeouts
+        self, headers: list[tuple[bytes, bytes]], body: bytes, timeouts: Timeouts, within: float | None
     ) -> tuple[int, list[tuple[bytes, bytes]], Body, int]:
         h2conn = self._h2
         try:
@@ -205,7 +205,10 @@ class _H2Connection(asyncio.Protocol):
                 await self._send_body(stream, memoryview(body), timeouts.write)
             else:
                 self._flush()
-            handle = self._loop.call_later(timeouts.read, head_timeout, head, timeouts.read)
+            if within is not None and within < timeouts.read:
+                handle = self._loop.call_later(within, head_timeout, head, within, True)
+            else:
+                handle = self._loop.call_later(timeouts.read, head_timeout, head, timeouts.read)
             status, response_headers = await head
         except h2.exceptions.H2Error as exc:
             self.cancel(stream_id)
@@ -337,7 +340,7 @@ class H2Pool:
         self._closed = False
 
     async def request(
-        self, method: bytes, path: bytes, headers: list[tuple[bytes, bytes]], body: bytes
+        self, method: bytes, path: bytes, headers: list[tuple[bytes, bytes]], body: bytes, head_within: float | None = None
     ) -> UpstreamResponse:
         h2_headers = [
             (b":method", method),
@@ -352,7 +355,9 @@ class H2Pool:
             conn = await self._acquire()
             pool_wait = time.perf_counter() - started
             try:
-                status, response_headers, response_body, stream_id = await conn.exchange(h2_headers, body, self._timeouts)
+                status, response_headers, response_body, stream_id = await conn.exchange(
+                    h2_headers, body, self._timeouts, head_within
+                )
             except _Refused:
                 if attempt < 2:
                     continue  # GOAWAY / REFUSED_STREAM: the server never saw it; again, on another connection

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 import uuid
 
 import httpx
@@ -27,6 +28,7 @@ from websockets.sync.client import connect as ws_connect
 from cache import CacheConfig
 from gateway.caching import CacheLayer, Recorder
 from gateway.openai import parse_request
+from gateway.relay import _take_usage
 from tests.conftest import ROOT, GatewayProcess, cluster
 from tests.fakes import free_port
 
@@ -100,12 +102,14 @@ def namespace():
 # -- keys --------------------------------------------------------------------------------
 
 
-def test_tenants_never_share_an_entry(memory_gw):
-    fake, gw = memory_gw()
+def test_tenants_never_share_an_entry_and_keys_of_one_tenant_do(upstreams, gateways):
+    fake = upstreams()
+    tenants = [{"name": "alice", "keys": ["sk-alice", "sk-alice-2"]}, {"name": "bob", "keys": ["sk-bob"]}]
+    gw = gateways({"clusters": [cluster(fake)], "cache": {"backend": "memory"}, "auth": {"mode": "optional"}, "tenants": tenants})
     body = chat(unique())
-    alice, bob = {"authorization": "Bearer sk-alice"}, {"authorization": "Bearer sk-bob"}
+    alice, alice2, bob = ({"authorization": f"Bearer {k}"} for k in ("sk-alice", "sk-alice-2", "sk-bob"))
     assert post(gw, body, alice).headers["x-cache"] == "MISS"
-    assert post(gw, body, alice).headers["x-cache"] == "HIT"
+    assert post(gw, body, alice2).headers["x-cache"] == "HIT"  # another key of the same tenant
     assert post(gw, body, bob).headers["x-cache"] == "MISS"
     assert post(gw, body, bob).headers["x-cache"] == "HIT"
     assert post(gw, body).headers["x-cache"] == "MISS"  # anonymous is a tenant of its own
@@ -610,21 +614,27 @@ LAST = {**CHUNK, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]
 USAGE = {**CHUNK, "choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
 
 
-async def test_recorder_stores_a_complete_stream_and_hides_the_usage_it_asked_for():
+async def test_recorder_stores_a_complete_stream_with_the_usage_it_asked_for():
     layer, lookup, recorder = recorder_for(chat(stream=True))
-    assert lookup.fields == {"stream_options": {"include_usage": True}} and recorder.hide_usage
-    relayed = await recorder.feed(event(CHUNK) + event(LAST))
-    assert relayed == event(CHUNK) + event(LAST)  # nothing to hide: passed on as received
-    relayed = await recorder.feed(event(USAGE) + b"data: [DONE]\n\n")
-    assert relayed == b"data: [DONE]\n\n"  # the usage chunk the client did not ask for
+    assert lookup.fields == {"stream_options": {"include_usage": True}}
+    await recorder.feed(event(CHUNK) + event(LAST))
+    await recorder.feed(event(USAGE) + b"data: [DONE]\n\n")
     assert await recorder.finish(True)
     entry = await layer.get(lookup)
     assert entry is not None and len(entry.chunks) == 3  # the usage chunk is kept for clients who want it
 
 
+def test_the_relay_hides_the_usage_chunk_asked_for_on_the_clients_behalf():
+    ctx = types.SimpleNamespace(usage_tokens=None)
+    events = event(LAST) + event(USAGE) + b"data: [DONE]\n\n"
+    assert _take_usage(ctx, events, hide=True) == event(LAST) + b"data: [DONE]\n\n"
+    assert ctx.usage_tokens == 2
+    assert _take_usage(ctx, events, hide=False) == events  # the client asked: passed on as received
+
+
 async def test_recorder_stores_nothing_from_a_broken_or_incomplete_answer():
     layer, lookup, recorder = recorder_for(chat(stream=True, stream_options={"include_usage": True}))
-    assert lookup.fields is None and not recorder.hide_usage
+    assert lookup.fields is None
     await recorder.feed(event(CHUNK))  # no finish_reason, no [DONE]
     assert not await recorder.finish(True)
     assert await layer.get(lookup) is None

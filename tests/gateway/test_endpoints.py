@@ -44,7 +44,7 @@ def test_websocket_requests_are_counted_in_flight_and_keep_the_clients_ids(upstr
     assert second.headers["x-request-id"] == "client-id-7.2"  # one id per request on the socket
     assert first.headers["traceparent"] == TRACEPARENT and first.headers["openai-project"] == "p1"
     assert "sec-websocket-key" not in first.headers and "upgrade" not in first.headers
-    assert 'edgegw_requests_total{api="ws",status="200"} 2.0' in metric(gw, "edgegw_requests_total")
+    assert 'edgegw_requests_total{api="ws",status="200",tenant="anonymous"} 2.0' in metric(gw, "edgegw_requests_total")
     assert "edgegw_in_flight_requests 0.0" in metric(gw, "edgegw_in_flight_requests")
 
 
