@@ -18,6 +18,7 @@ ALPN ``http/1.1``), a total deadline per request, and failures sorted into the k
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import ssl
 import time
@@ -191,11 +192,12 @@ class _Connection(asyncio.Protocol):
 
     # -- the exchange
 
-    def exchange(self, raw: bytes, make_reader: ReaderFactory, timeout: float) -> asyncio.Future[Response]:
+    def exchange(self, raw: bytes, make_reader: ReaderFactory, remaining: float, timeout: float) -> asyncio.Future[Response]:
+        """Write ``raw``; the future fails after ``remaining`` seconds (of a ``timeout``)."""
         response = Response(make_reader)
         self.response = response
         self.waiter = waiter = self.loop.create_future()
-        self.timer = self.loop.call_later(timeout, self._time_out, timeout)
+        self.timer = self.loop.call_later(remaining, self._time_out, timeout)
         response.sent = time.perf_counter()
         self.transport.write(raw)
         return waiter
@@ -250,17 +252,18 @@ class ConnectionPool:
         conn = self._idle()
         if conn is not None:
             try:
-                return await self._exchange(conn, raw, make_reader, timeout)
+                return await self._exchange(conn, raw, make_reader, deadline, timeout)
             except HttpError as exc:
                 if not exc.unanswered:
                     raise
-        remaining = deadline - time.perf_counter()
-        conn = await self._connect(remaining)
-        return await self._exchange(conn, raw, make_reader, deadline - time.perf_counter())
+        conn = await self._connect(deadline - time.perf_counter(), timeout)
+        return await self._exchange(conn, raw, make_reader, deadline, timeout)
 
-    async def _exchange(self, conn: _Connection, raw: bytes, make_reader: ReaderFactory, timeout: float) -> Response:
+    async def _exchange(
+        self, conn: _Connection, raw: bytes, make_reader: ReaderFactory, deadline: float, timeout: float
+    ) -> Response:
         try:
-            response = await conn.exchange(raw, make_reader, max(timeout, 0.0))
+            response = await conn.exchange(raw, make_reader, max(deadline - time.perf_counter(), 0.0), timeout)
         except BaseException:
             conn.abort()  # cancelled or failed mid-answer: the connection's state is unknown
             self.all.discard(conn)
@@ -280,18 +283,19 @@ class ConnectionPool:
             self.all.discard(conn)
         return None
 
-    async def _connect(self, timeout: float) -> _Connection:
+    async def _connect(self, remaining: float, timeout: float) -> _Connection:
         loop = asyncio.get_running_loop()
         base = self.base
         tls = {"ssl": self.context, "server_hostname": base.host} if self.context is not None else {}
         try:
-            _, conn = await asyncio.wait_for(loop.create_connection(_Connection, base.host, base.port, **tls), max(timeout, 0.0))
+            _, conn = await asyncio.wait_for(loop.create_connection(_Connection, base.host, base.port, **tls), max(remaining, 0.0))
         except (TimeoutError, asyncio.TimeoutError):
-            raise HttpError(ErrorKind.TIMEOUT, f"connect to {base.authority}: no connection within the timeout") from None
+            raise HttpError(ErrorKind.TIMEOUT, f"connect to {base.authority}: no connection within {timeout:g} s") from None
         except ssl.SSLError as exc:
             raise HttpError(ErrorKind.TLS, f"TLS with {base.authority}: {exc.reason or exc}") from None
-        except OSError as exc:
-            raise HttpError(ErrorKind.CONNECTION, f"connect to {base.authority}: {exc.strerror or exc}") from None
+        except OSError as exc:  # asyncio words a refusal "Connect call failed": say what errno says
+            reason = os.strerror(exc.errno) if exc.errno and not isinstance(exc, socket.gaierror) else str(exc)
+            raise HttpError(ErrorKind.CONNECTION, f"connect to {base.authority}: {reason}") from None
         self.all.add(conn)
         self.opened += 1
         return conn

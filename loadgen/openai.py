@@ -87,7 +87,7 @@ class StreamReader:
         if b"\r" in data:
             data = data.replace(b"\r\n", b"\n")
         end = data.find(b"\n\n")
-        if end == len(data) - 2:  # exactly one whole event: the usual read
+        if end >= 0 and end == len(data) - 2:  # exactly one whole event: the usual read
             self.buffer = b""
             self._event(data[:end], now)
             return
