@@ -38,10 +38,10 @@ def plot(result: BenchResult, path: str) -> None:
 def _png(result: BenchResult, path: str) -> None:
     # matplotlib is optional (the `bench` extra) and slow to import: only a PNG needs it
     try:
-        import matplotlib  # noqa: PLC0415
+        import matplotlib
 
         matplotlib.use("Agg")
-        from matplotlib import pyplot  # noqa: PLC0415
+        from matplotlib import pyplot
     except ImportError:
         raise ValueError("--plot FILE.png needs matplotlib: pip install 'edgegw[bench]' (or use FILE.html)") from None
     series = run_series(result)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import html.parser
 import itertools
 import random
+import socket
 
 import orjson
 import pytest
@@ -224,8 +225,6 @@ def test_set_up_failures_stop_before_the_run(upstreams, bench, tmp_path):
 
 
 def test_a_closed_port_is_reported_at_once(bench):
-    import socket
-
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
