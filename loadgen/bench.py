@@ -50,8 +50,8 @@ class BenchConfig:
     base_url: str
     endpoint: str = "chat"  # chat | completions
     model: str | None = None  # None: the first model the server lists
-    num_prompts: int | None = 1000
-    duration: float | None = None  # seconds; instead of num_prompts
+    num_prompts: int | None = None  # requests per run; 1000 unless a duration is given
+    duration: float | None = None  # seconds of sending per run, instead of num_prompts
     request_rate: float = math.inf
     burstiness: float = 1.0
     max_concurrency: int | None = None
@@ -74,6 +74,8 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         BaseURL.parse(self.base_url)
+        if self.num_prompts is None and self.duration is None:
+            object.__setattr__(self, "num_prompts", 1000)
         checks = [
             (self.endpoint in ENDPOINTS, f"--endpoint must be one of {', '.join(ENDPOINTS)}"),
             ((self.num_prompts is None) != (self.duration is None), "give one of --num-prompts or --duration"),

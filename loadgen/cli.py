@@ -154,7 +154,7 @@ def config_from_args(args: argparse.Namespace, argv: list[str]) -> BenchConfig:
         base_url=base_url,
         endpoint=args.endpoint,
         model=args.model,
-        num_prompts=args.num_prompts if args.num_prompts is not None or args.duration is not None else 1000,
+        num_prompts=args.num_prompts,
         duration=args.duration,
         request_rate=args.request_rate,
         burstiness=args.burstiness,

@@ -53,7 +53,7 @@ def _png(result: BenchResult, path: str) -> None:
         ax.stairs(h.counts, h.edges, fill=True, color="#4c72b0", alpha=0.8)
         for (label, x), color in zip(h.marks.items(), ("#2ca02c", "#ff7f0e", "#d62728")):
             ax.axvline(x, color=color, linestyle="--", linewidth=1, label=f"{label} {x:.1f} ms")
-        ax.set_title(f"{name} distribution ({sum(h.counts)} requests)", fontsize=10)
+        ax.set_title(f"{name} distribution ({sum(h.counts)} successful requests, all runs)", fontsize=10)
         ax.set_xlabel(f"{name} (ms)")
         ax.set_ylabel("requests")
         if h.marks:

@@ -106,7 +106,7 @@ def _histogram_svg(name: str, h: Histogram) -> str:
         x = frame.x(value)
         color = _MARK_COLORS.get(label, "#333")
         parts.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{_TOP}" y2="{_HEIGHT - _BOTTOM}" stroke="{color}" stroke-dasharray="4 3"/>')
-        parts.append(f'<text x="{_WIDTH - _RIGHT - 4}" y="{_TOP + 14 + 14 * i}" text-anchor="end" fill="{color}">{label} {value:.1f} ms</text>')
+        parts.append(f'<text x="{_WIDTH - _RIGHT - 4}" y="{_TOP + 14 + 14 * i}" text-anchor="end" style="fill: {color}">{label} {value:.1f} ms</text>')
     return _svg(parts, f"{name} distribution")
 
 
