@@ -22,6 +22,7 @@ import os
 import resource
 import signal
 import sys
+from typing import TextIO
 
 import orjson
 
@@ -42,6 +43,7 @@ __all__ = ["add_arguments", "main", "run"]
 EXIT_OK, EXIT_REGRESSED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 _SECRET_OPTIONS = ("--api-key",)
 _LOOP_FACTORY = uvloop.new_event_loop if uvloop is not None else None
+_PIECE_CHARS = 1024  # at most 4096 bytes of UTF-8
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -252,15 +254,24 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     return _deliver(result, args)
 
 
+def emit(stream: TextIO, text: str) -> None:
+    """Write all of ``text``. Under ``PYTHONUNBUFFERED`` (or ``-u``) ``sys.stdout`` is a
+    text layer straight on the file descriptor, and a write that a busy pipe takes only in
+    part loses the rest without an error (seen: a 360 KB ``--json`` cut at 64 KB with exit
+    status 0). Pieces of at most 4 KB are written whole by a pipe (POSIX ``PIPE_BUF``)."""
+    for start in range(0, len(text), _PIECE_CHARS):
+        stream.write(text[start : start + _PIECE_CHARS])
+    stream.flush()
+
+
 def _deliver(result: BenchResult, args: argparse.Namespace) -> int:
     """Report, save, plot; then the exit status."""
     report = render(result)
     if args.json:
-        sys.stderr.write(report)
-        sys.stdout.write(orjson.dumps(result.model_dump(mode="json"), option=orjson.OPT_INDENT_2).decode() + "\n")
+        emit(sys.stderr, report)
+        emit(sys.stdout, orjson.dumps(result.model_dump(mode="json"), option=orjson.OPT_INDENT_2).decode() + "\n")
     else:
-        sys.stdout.write(report)
-    sys.stdout.flush()
+        emit(sys.stdout, report)
     try:
         if args.save_result:
             save_result(result, args.save_result)
