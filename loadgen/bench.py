@@ -28,7 +28,7 @@ from typing import Any
 
 from loadgen.arrivals import arrival_times
 from loadgen.http import BaseURL, ConnectionPool, HttpError, ssl_context
-from loadgen.openai import ENDPOINTS, RequestHead, Requester, client_version, list_models
+from loadgen.openai import ENDPOINTS, RequestHead, Requester, check_headers, client_version, list_models
 from loadgen.progress import Progress
 from loadgen.result import BenchResult, Environment, Parameters, RunSummary, median_metrics
 from loadgen.runner import Run, Schedule
@@ -76,6 +76,7 @@ class BenchConfig:
         BaseURL.parse(self.base_url)
         if self.num_prompts is None and self.duration is None:
             object.__setattr__(self, "num_prompts", 1000)
+        object.__setattr__(self, "headers", check_headers(self.headers))
         checks = [
             (self.endpoint in ENDPOINTS, f"--endpoint must be one of {', '.join(ENDPOINTS)}"),
             ((self.num_prompts is None) != (self.duration is None), "give one of --num-prompts or --duration"),
@@ -200,9 +201,8 @@ async def _one_run(
 
 
 async def _discover_model(pool: ConnectionPool, config: BenchConfig) -> str:
-    headers = {k: v for k, v in config.headers.items() if k not in ("content-type", "accept")}
     try:
-        models = await list_models(pool, headers, min(config.timeout, 30.0))
+        models = await list_models(pool, config.headers, min(config.timeout, 30.0))
     except (HttpError, ValueError) as exc:
         raise BenchError(f"cannot list the models ({exc}); give --model") from None
     if not models:

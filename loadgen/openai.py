@@ -26,7 +26,7 @@ import orjson
 from loadgen.http import BaseURL, BodyReader, ConnectionPool, HttpError, Response
 from loadgen.types import ErrorKind, RequestRecord, RequestSpec, http_error
 
-__all__ = ["ENDPOINTS", "RequestHead", "Requester", "client_version", "error_message", "list_models"]
+__all__ = ["ENDPOINTS", "RequestHead", "Requester", "check_headers", "client_version", "error_message", "list_models"]
 
 ENDPOINTS = {"chat": "/chat/completions", "completions": "/completions"}
 
@@ -42,6 +42,19 @@ def client_version() -> str:
         return "0+unknown"
 
 
+def check_headers(headers: dict[str, str]) -> dict[str, str]:
+    """The headers with lower-case names; ``ValueError`` for a name that is not an HTTP
+    token or a value that would start another header line."""
+    checked = {}
+    for name, value in headers.items():
+        if not _TOKEN.match(name):
+            raise ValueError(f"header name {name!r} is not a valid HTTP token")
+        if "\r" in value or "\n" in value:
+            raise ValueError(f"header {name!r}: the value must be one line")
+        checked[name.lower()] = value
+    return checked
+
+
 class RequestHead:
     """The request line and headers shared by every request of a run (Content-Length
     aside); the user's headers replace the defaults of the same name."""
@@ -53,12 +66,7 @@ class RequestHead:
             "content-type": "application/json",
             "accept": "text/event-stream" if stream else "application/json",
         }
-        for name, value in headers.items():
-            if not _TOKEN.match(name):
-                raise ValueError(f"header name {name!r} is not a valid HTTP token")
-            if "\r" in value or "\n" in value:
-                raise ValueError(f"header {name!r}: the value must be one line")
-            merged[name.lower()] = value
+        merged.update(check_headers(headers))
         merged.pop("content-length", None)
         lines = [f"POST {base.prefix}{path} HTTP/1.1"] + [f"{k}: {v}" for k, v in merged.items()]
         self.prefix = ("\r\n".join(lines) + "\r\ncontent-length: ").encode("latin-1")
@@ -280,8 +288,8 @@ def _text(choice: dict) -> str:
 async def list_models(pool: ConnectionPool, headers: dict[str, str], timeout: float) -> list[str]:
     """The model ids of ``GET {base}/models``; raises ``HttpError`` or ``ValueError``."""
     base = pool.base
-    lines = [f"GET {base.prefix}/models HTTP/1.1", f"host: {base.authority}", "accept: application/json"]
-    lines += [f"{k}: {v}" for k, v in headers.items()]
+    merged = {"host": base.authority, "user-agent": f"edgegw-bench/{client_version()}", **headers, "accept": "application/json"}
+    lines = [f"GET {base.prefix}/models HTTP/1.1"] + [f"{k}: {v}" for k, v in merged.items() if k != "content-type"]
     raw = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
     response = await pool.request(raw, make_reader, timeout)
     reader = response.reader

@@ -154,9 +154,11 @@ def _gateway(records: list[RequestRecord]) -> GatewayFigures | None:
     cache = Counter(r.x_cache.strip().upper() for r in records if r.x_cache is not None)
     if not timed and not routes and not cache:
         return None
-    names: dict[str, None] = {}  # stage names in first-seen order
+    names: dict[str, None] = {}  # stage names in first-seen order, total last
     for _, stages in timed:
         names.update(dict.fromkeys(stages))
+    if names.pop("total", 0) is None:
+        names["total"] = None
     answered = sum(cache.values())
     return GatewayFigures(
         responses=len(timed),

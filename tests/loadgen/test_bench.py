@@ -217,6 +217,7 @@ def test_set_up_failures_stop_before_the_run(upstreams, bench, tmp_path):
         (("--metric", "p95_latency"), "unknown metric"),
         (("--extra-body", "[1]"), "JSON object"),
         (("--duration", "3"), "needs --max-concurrency"),
+        (("--header", "bad name: v"), "not a valid HTTP token"),
     ]:
         out = bench("--base-url", fake.url + "/v1", "--model", "m", *args)
         assert (out.code, out.result) == (2, None), args

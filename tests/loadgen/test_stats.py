@@ -88,15 +88,15 @@ def test_itl_pools_every_gap_of_every_stream():
 def test_gateway_figures_come_from_edgegw_headers():
     timing = 'admit;dur=0.100, cache;dur=0.050, route;dur=0.020, pool;dur=0.030, upstream;dur=40.0;desc="first byte, attempt 2", total;dur=40.3'
     records = [
-        record(0, server_timing=timing, route="target=endpoint; cluster=central; endpoint=http://x; model=m", x_cache="MISS"),
-        record(1, server_timing="cache;dur=0.05, total;dur=0.2", route="target=cache; model=m", x_cache="HIT"),
+        record(0, server_timing="cache;dur=0.05, total;dur=0.2", route="target=cache; model=m", x_cache="HIT"),
+        record(1, server_timing=timing, route="target=endpoint; cluster=central; endpoint=http://x; model=m", x_cache="MISS"),
     ]
     g = summarise(records, facts()).gateway
     assert g is not None and g.responses == 2
-    assert list(g.stages_ms) == ["admit", "cache", "route", "pool", "upstream", "total"]
+    assert list(g.stages_ms) == ["cache", "admit", "route", "pool", "upstream", "total"]  # as first seen, total last
     assert g.stages_ms["upstream"].count == 1 and g.stages_ms["upstream"].p50 == pytest.approx(40.0)
     assert g.own_ms.max == pytest.approx(0.2)  # admit + cache + route + pool; upstream and total excluded
-    assert g.routes == {"cluster:central": 1, "cache": 1}
+    assert g.routes == {"cache": 1, "cluster:central": 1}
     assert g.cache_hit_share == pytest.approx(0.5)
 
 
