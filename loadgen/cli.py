@@ -50,33 +50,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     target = parser.add_argument_group("target")
     target.add_argument(
         "--base-url",
+        metavar="URL",
         default=os.environ.get("OPENAI_BASE_URL"),
         help="the server's OpenAI base URL, path prefix included, e.g. http://127.0.0.1:8080/v1 (default: $OPENAI_BASE_URL)",
     )
     target.add_argument("--endpoint", choices=list(ENDPOINTS), default="chat", help="chat: {base}/chat/completions (default); completions: {base}/completions")
-    target.add_argument("--model", help="the model to ask (e.g. 'auto' for edgegw's alias); default: the first of GET {base}/models")
-    target.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="sent as 'Authorization: Bearer K' (default: $OPENAI_API_KEY)")
+    target.add_argument("--model", metavar="NAME", help="the model to ask (e.g. 'auto' for edgegw's alias); default: the first of GET {base}/models")
+    target.add_argument("--api-key", metavar="KEY", default=os.environ.get("OPENAI_API_KEY"), help="sent as 'Authorization: Bearer K' (default: $OPENAI_API_KEY)")
     target.add_argument("--header", metavar="'Name: value'", action="append", default=[], help="an extra request header (repeatable)")
     target.add_argument("--extra-body", metavar="JSON", help='fields merged into every request body, e.g. \'{"temperature": 0, "ignore_eos": true}\'')
     target.add_argument("--insecure", action="store_true", help="https: do not verify the server's certificate")
     target.add_argument("--ca-cert", metavar="FILE", help="https: verify the server against this CA bundle")
-    target.add_argument("--timeout", type=float, default=300.0, help="seconds for a whole answer (default 300)")
+    target.add_argument("--timeout", type=float, metavar="S", default=300.0, help="seconds for a whole answer (default 300)")
 
     load = parser.add_argument_group("load")
     size = load.add_mutually_exclusive_group()
-    size.add_argument("--num-prompts", type=int, help="requests per run (default 1000)")
+    size.add_argument("--num-prompts", type=int, metavar="N", help="requests per run (default 1000)")
     size.add_argument("--duration", type=float, metavar="S", help="send requests for S seconds instead, then wait for the last ones")
-    load.add_argument("--request-rate", type=float, default=math.inf, help="requests per second, Poisson arrivals (default inf: all at once)")
-    load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps (1 = Poisson, <1 burstier)")
-    load.add_argument("--max-concurrency", type=int, help="at most C requests in flight")
+    load.add_argument("--request-rate", type=float, metavar="R", default=math.inf, help="requests per second, Poisson arrivals (default inf: all at once)")
+    load.add_argument("--burstiness", type=float, metavar="B", default=1.0, help="gamma shape of the arrival gaps (1 = Poisson, <1 burstier)")
+    load.add_argument("--max-concurrency", type=int, metavar="C", help="at most C requests in flight")
     load.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True, help="SSE streaming (default) or whole answers")
     load.add_argument("--dataset", metavar="FILE.jsonl", help="one JSON object a line: prompt or messages, optional max_tokens and extra_body")
-    load.add_argument("--input-len", type=int, default=256, help="synthetic prompt length in words ≈ tokens (default 256)")
-    load.add_argument("--output-len", type=int, default=128, help="max_tokens of synthetic requests (default 128)")
-    load.add_argument("--range-ratio", type=float, default=0.0, help="vary both lengths uniformly by ±F (0 ≤ F < 1)")
-    load.add_argument("--seed", type=int, default=0, help="seeds prompts and arrivals (default 0)")
-    load.add_argument("--warmup", type=int, default=1, help="requests sent first, one at a time, not measured (default 1)")
-    load.add_argument("--repeat", type=int, default=1, help="runs; figures and the gate use the medians (default 1)")
+    load.add_argument("--input-len", type=int, metavar="N", default=256, help="synthetic prompt length in words ≈ tokens (default 256)")
+    load.add_argument("--output-len", type=int, metavar="N", default=128, help="max_tokens of synthetic requests (default 128)")
+    load.add_argument("--range-ratio", type=float, metavar="F", default=0.0, help="vary both lengths uniformly by ±F (0 ≤ F < 1)")
+    load.add_argument("--seed", type=int, metavar="N", default=0, help="seeds prompts and arrivals (default 0)")
+    load.add_argument("--warmup", type=int, metavar="N", default=1, help="requests sent first, one at a time, not measured (default 1)")
+    load.add_argument("--repeat", type=int, metavar="K", default=1, help="runs; figures and the gate use the medians (default 1)")
 
     out = parser.add_argument_group("results")
     out.add_argument("--goodput", nargs="+", metavar="NAME:MS", default=[], help="SLO bounds, e.g. ttft:500 tpot:50 e2e:10000")
@@ -87,9 +88,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     gate = parser.add_argument_group("regression gate")
     gate.add_argument("--baseline", metavar="FILE.json", help="compare with this saved result; exit 1 on a regression")
-    gate.add_argument("--max-regression", type=float, default=0.10, help="allowed relative worsening of each metric (default 0.10)")
-    gate.add_argument("--metric", default=",".join(DEFAULT_METRICS), help=f"metrics to compare (default {','.join(DEFAULT_METRICS)})")
-    gate.add_argument("--max-error-rate", type=float, default=0.01, help="allowed share of failed requests (default 0.01)")
+    gate.add_argument("--max-regression", type=float, metavar="F", default=0.10, help="allowed relative worsening of each metric (default 0.10)")
+    gate.add_argument("--metric", metavar="NAMES", default=",".join(DEFAULT_METRICS), help=f"metrics to compare (default {','.join(DEFAULT_METRICS)})")
+    gate.add_argument("--max-error-rate", type=float, metavar="F", default=0.01, help="allowed share of failed requests (default 0.01)")
 
 
 def parse_headers(raw: list[str]) -> dict[str, str]:
