@@ -34,7 +34,7 @@ from loadgen.result import BenchResult, Environment, Parameters, RunSummary, med
 from loadgen.runner import Run, Schedule
 from loadgen.stats import summarise
 from loadgen.types import RequestSpec
-from loadgen.workload import BodyBuilder, Prompt, SyntheticPrompts, dataset_prompts, load_dataset
+from loadgen.workload import BodyBuilder, DatasetError, Prompt, SyntheticPrompts, dataset_prompts, load_dataset
 
 __all__ = ["BenchConfig", "BenchError", "run_bench"]
 
@@ -141,12 +141,12 @@ def environment(command: list[str]) -> Environment:
 
 
 class _Workload:
-    """The prompts of each run, from the dataset or drawn from the run's seed."""
+    """The request specs of each run, from the dataset or drawn from the run's seed."""
 
-    def __init__(self, config: BenchConfig, builder: BodyBuilder) -> None:
+    def __init__(self, config: BenchConfig, dataset: list[Prompt] | None, builder: BodyBuilder) -> None:
         self.config = config
+        self.dataset = dataset
         self.builder = builder
-        self.dataset = load_dataset(config.dataset) if config.dataset else None
 
     def prompts(self, label: str) -> Iterator[Prompt]:
         c = self.config
@@ -160,14 +160,16 @@ class _Workload:
 
 async def run_bench(config: BenchConfig, stop: asyncio.Event) -> BenchResult:
     env = environment(config.command)
-    context: ssl.SSLContext | None = None
-    if config.base.tls:
-        context = ssl_context(config.verify_tls, config.ca_file)
+    try:
+        dataset = load_dataset(config.dataset) if config.dataset else None
+        context = ssl_context(config.verify_tls, config.ca_file) if config.base.tls else None
+    except (DatasetError, OSError, ssl.SSLError) as exc:  # a dataset or CA file that cannot be used
+        raise BenchError(str(exc)) from None
     pool = ConnectionPool(config.base, context)
     try:
         model = config.model or await _discover_model(pool, config)
         builder = BodyBuilder(config.endpoint, model, config.stream, config.extra_body)
-        workload = _Workload(config, builder)
+        workload = _Workload(config, dataset, builder)
         head = RequestHead(config.base, ENDPOINTS[config.endpoint], config.headers, config.stream)
         await _warm_up(pool, head, workload, config)
         runs: list[RunSummary] = []

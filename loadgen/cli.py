@@ -32,7 +32,7 @@ except ImportError:  # pragma: no cover
     uvloop = None
 
 from loadgen.bench import BenchConfig, BenchError, run_bench
-from loadgen.gate import DEFAULT_METRICS, GateError, compare, resolve_metrics
+from loadgen.gate import DEFAULT_METRICS, GateError, check_baseline, compare, resolve_metrics
 from loadgen.openai import ENDPOINTS
 from loadgen.plot import plot
 from loadgen.report import render
@@ -227,6 +227,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         config = config_from_args(args, argv)
         metrics = resolve_metrics(args.metric)
         baseline = load_result(args.baseline) if args.baseline else None
+        if baseline is not None:
+            check_baseline(baseline, metrics, args.baseline)
         for path in args.plot:
             if os.path.splitext(path)[1].lower() not in (".png", ".html", ".htm"):
                 raise ValueError(f"--plot {path}: expected a .png or .html file")

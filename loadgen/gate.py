@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from loadgen.result import LATENCIES, STATS, BenchResult, GateOutcome, GateRow
 
-__all__ = ["DEFAULT_METRICS", "GateError", "compare", "known_metrics", "resolve_metrics"]
+__all__ = ["DEFAULT_METRICS", "GateError", "check_baseline", "compare", "known_metrics", "resolve_metrics"]
 
 DEFAULT_METRICS = ("p95_ttft_ms", "p95_e2e_ms")
 RATES = ("request_throughput", "output_throughput", "goodput")
@@ -109,6 +109,14 @@ def _notes(baseline: BenchResult, current: BenchResult) -> list[str]:
     return notes
 
 
+def check_baseline(baseline: BenchResult, metrics: list[str], baseline_file: str) -> None:
+    """Raise ``GateError`` unless the baseline has a figure for every metric (checked
+    before a run, so that a useless baseline costs no load)."""
+    missing = [m for m in metrics if baseline.median.get(m) is None]
+    if missing:
+        raise GateError(f"{baseline_file}: the baseline has no figure for {', '.join(missing)}")
+
+
 def compare(
     baseline: BenchResult,
     current: BenchResult,
@@ -117,12 +125,8 @@ def compare(
     max_error_rate: float,
     baseline_file: str,
 ) -> GateOutcome:
-    rows = []
-    for metric in metrics:
-        old = baseline.median.get(metric)
-        if old is None:
-            raise GateError(f"{baseline_file}: the baseline has no figure for {metric}")
-        rows.append(_row(metric, old, current.median.get(metric), max_regression))
+    check_baseline(baseline, metrics, baseline_file)
+    rows = [_row(m, baseline.median[m], current.median.get(m), max_regression) for m in metrics]
     rows.append(_error_row(baseline, current, max_error_rate))
     return GateOutcome(
         baseline_file=baseline_file,

@@ -209,6 +209,9 @@ def test_set_up_failures_stop_before_the_run(upstreams, bench, tmp_path):
     assert len(refusing.requests) == 1
 
     fake = upstreams()
+    baseline_without_goodput = str(tmp_path / "base.json")
+    assert bench("--base-url", fake.url + "/v1", "--model", "m", "--num-prompts", "2", "--save-result", baseline_without_goodput).code == 0
+    fake.requests.clear()
     for args, message in [
         (("--baseline", str(tmp_path / "missing.json")), "cannot read"),
         (("--plot", str(tmp_path / "p.svg")), ".png or .html"),
@@ -218,6 +221,9 @@ def test_set_up_failures_stop_before_the_run(upstreams, bench, tmp_path):
         (("--extra-body", "[1]"), "JSON object"),
         (("--duration", "3"), "needs --max-concurrency"),
         (("--header", "bad name: v"), "not a valid HTTP token"),
+        (("--dataset", str(tmp_path / "missing.jsonl")), "cannot read"),
+        (("--base-url", fake.url.replace("http:", "https:") + "/v1", "--ca-cert", str(tmp_path / "no-ca.pem")), "No such file"),
+        (("--baseline", baseline_without_goodput, "--metric", "goodput"), "has no figure for goodput"),
     ]:
         out = bench("--base-url", fake.url + "/v1", "--model", "m", *args)
         assert (out.code, out.result) == (2, None), args
