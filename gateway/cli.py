@@ -5,6 +5,7 @@
     edgegw serve --model ./model.gguf
     edgegw check-config FILE
     edgegw explain --config FILE --ip PEER [--header 'Name: value' ...] --body FILE [--json]
+    edgegw bench --base-url URL [...]   (the load generator: loadgen/)
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import uvicorn
 from cache import CacheConfig
 from gateway.app import create_app
 from gateway.settings import ConfigError, Settings, load_settings, quickstart_settings
+from loadgen import cli as bench_cli
 from routing import ClusterSpec, RoutingError, describe
 from routing import explain as explain_route
 
@@ -75,7 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     explain.add_argument("--body", metavar="FILE", required=True, help="the JSON request body ('-': stdin)")
     explain.add_argument("--json", action="store_true", help="print the decision as a JSON object")
 
+    bench_cli.add_arguments(commands.add_parser("bench", help="measure any OpenAI-compatible server; gate on latency"))
+
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        return bench_cli.run(args, argv)
     if args.command == "check-config":
         return _check_config(args.file)
     if args.command == "explain":
