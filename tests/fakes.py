@@ -75,7 +75,9 @@ class FakeUpstream:
         if self.protocol == "http1":
             tls = {"ssl_certfile": self.tls[0], "ssl_keyfile": self.tls[1]} if self.tls else {}
             config = uvicorn.Config(
-                self.app, host="127.0.0.1", port=self.port, log_level="error", lifespan="off", **tls
+                self.app, host="127.0.0.1", port=self.port, log_level="error", lifespan="off",
+                timeout_graceful_shutdown=1,  # a hung scripted request must not outlive the test by long
+                **tls,
             )
             self._server = uvicorn.Server(config)
             self._server.run()
@@ -109,8 +111,7 @@ class FakeUpstream:
 
     def stop(self) -> None:
         if self._server is not None:
-            self._server.should_exit = True
-            self._server.force_exit = True
+            self._server.should_exit = True  # graceful: every connection closed before the loop is
         elif self._loop is not None and self._stop is not None:
             self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(10)

@@ -57,9 +57,28 @@ async def test_a_stream_is_read_as_it_arrives(upstreams):
         pool.close()
 
 
-async def _serve(handler) -> tuple[asyncio.Server, int]:
-    server = await asyncio.start_server(handler, "127.0.0.1", 0)
-    return server, server.sockets[0].getsockname()[1]
+class _Server:
+    """A scripted asyncio server whose connections are all closed when it is."""
+
+    def __init__(self, server: asyncio.Server, writers: list[asyncio.StreamWriter]) -> None:
+        self.server = server
+        self.writers = writers
+
+    def close(self) -> None:
+        self.server.close()
+        for writer in self.writers:
+            writer.close()
+
+
+async def _serve(handler) -> tuple[_Server, int]:
+    writers: list[asyncio.StreamWriter] = []
+
+    async def tracked(reader, writer):
+        writers.append(writer)
+        await handler(reader, writer)
+
+    server = await asyncio.start_server(tracked, "127.0.0.1", 0)
+    return _Server(server, writers), server.sockets[0].getsockname()[1]
 
 
 async def _read_request(reader: asyncio.StreamReader) -> bytes:
@@ -88,6 +107,7 @@ async def test_a_keep_alive_connection_closed_by_the_server_is_retried_fresh():
     finally:
         pool.close()
         server.close()
+        await asyncio.sleep(0)  # let the transports report themselves closed
 
 
 async def test_a_body_delimited_by_the_close_is_complete():
@@ -106,6 +126,7 @@ async def test_a_body_delimited_by_the_close_is_complete():
     finally:
         pool.close()
         server.close()
+        await asyncio.sleep(0)  # let the transports report themselves closed
 
 
 async def test_garbage_is_a_protocol_error():
@@ -123,6 +144,7 @@ async def test_garbage_is_a_protocol_error():
     finally:
         pool.close()
         server.close()
+        await asyncio.sleep(0)  # let the transports report themselves closed
 
 
 async def test_failures_by_kind(upstreams):
