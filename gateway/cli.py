@@ -23,6 +23,7 @@ import uvicorn
 
 from cache import CacheConfig
 from gateway.app import create_app
+from gateway.observability import redact_logs
 from gateway.settings import ConfigError, Settings, load_settings, quickstart_settings
 from loadgen import cli as bench_cli
 from routing import ClusterSpec, RoutingError, describe
@@ -188,6 +189,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         limit_concurrency=settings.limits.max_connections,
         proxy_headers=False,  # X-Forwarded-For is honoured by routing, from trusted proxies only
     )
+    redact_logs("uvicorn", "uvicorn.error", "uvicorn.access")  # no key in any log line, at any level
     server = _DrainingServer(config)
     server.run()
     return 0

@@ -303,7 +303,7 @@ class Fleet:
                 parsed.kind, parsed.data, ctx.request_id.decode(), limits.keepalive_interval_s, ctx.tenant.rank, deadline
             )
         upstream = self.upstreams[target.endpoint]
-        forward = ctx.forward if left is None else [*ctx.forward, (b"x-latency-budget-ms", b"%d" % math.ceil(left * 1000))]
+        forward = ctx.forward if left is None else [*ctx.forward, (b"x-latency-budget-ms", b"%d" % math.floor(left * 1000))]
         feed = self.feed
         sent_at = now
         feed.sent(upstream.url, sent_at)

@@ -18,13 +18,15 @@ Metric labels say what they hold: ``api`` (chat | completions | ws), ``model``, 
 
 from __future__ import annotations
 
+import logging
+import re
 import time
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
-__all__ = ["Metrics", "Sample", "Series", "Timing"]
+__all__ = ["Metrics", "RedactSecrets", "Sample", "Series", "Timing", "redact_logs"]
 
 # (metric name, help, labels, value): a gauge read from live state at scrape time
 Sample = tuple[str, str, dict[str, str], float]
@@ -189,3 +191,30 @@ class _LiveGauges:
 
     def describe(self):
         return []  # read at scrape time: nothing to check at registration
+
+
+_SECRET = re.compile(
+    r"(?i)((?:proxy-)?authorization|x-api-key|api-key|cookie|set-cookie)(['\"]?\s*[:=,]\s*['\"]?(?:b['\"])?)[^\r\n'\"]*"
+)
+_BEARER = re.compile(r"(?i)\b(bearer\s+)[^\s'\"]+")
+
+
+class RedactSecrets(logging.Filter):
+    """Takes credentials out of a log record, whoever wrote it: the values of
+    ``Authorization``, ``X-Api-Key``, ``Api-Key`` and cookie headers, and bearer tokens
+    (uvicorn's protocol debug output prints handshake headers as they came)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        redacted = _BEARER.sub(r"\1[redacted]", _SECRET.sub(r"\1\2[redacted]", message))
+        if redacted != message:
+            record.msg, record.args = redacted, None
+        return True
+
+
+def redact_logs(*loggers: str) -> None:
+    """Put ``RedactSecrets`` on every handler of the root logger and of ``loggers``."""
+    for name in ("", *loggers):
+        for handler in logging.getLogger(name).handlers:
+            if not any(isinstance(f, RedactSecrets) for f in handler.filters):
+                handler.addFilter(RedactSecrets())

@@ -62,6 +62,8 @@ _DROP_RESPONSE_HEADERS = frozenset(
         b"server",
         b"server-timing",
         b"x-request-id",
+        b"x-edgegw-route",  # an edgegw behind this one: the answer says this gateway's route and cache
+        b"x-cache",
     }
 )
 _WS_DONE = '{"type":"done"}'
