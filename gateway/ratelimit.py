@@ -49,32 +49,32 @@ local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
 local period = tonumber(ARGV[4])
 local limits = {tonumber(ARGV[1]), tonumber(ARGV[2])}
 local costs = {1, tonumber(ARGV[3])}
-local new = {}
-local out = {1, -1, 0, -1, 0, 0}
+local tats, afters = {}, {}
+local allowed, retry = 1, 0
 for i = 1, 2 do
   if limits[i] > 0 then
-    local interval = period / limits[i]
     local tat = tonumber(redis.call('GET', KEYS[i]) or now)
     if tat < now then tat = now end
-    local after = tat + interval * costs[i]
-    if after - now > period then
-      out[1] = 0
-      out[6] = math.max(out[6], after - now - period)
-      out[i * 2] = math.floor((period - (tat - now)) / interval)
-      out[i * 2 + 1] = tat - now
-    else
-      new[i] = after
-      out[i * 2] = math.floor((period - (after - now)) / interval)
-      out[i * 2 + 1] = after - now
+    tats[i] = tat
+    afters[i] = tat + period / limits[i] * costs[i]
+    if afters[i] - now > period then
+      allowed = 0
+      retry = math.max(retry, afters[i] - now - period)
     end
   end
 end
-if out[1] == 1 then
-  for i = 1, 2 do
-    if new[i] then redis.call('SET', KEYS[i], tostring(new[i]), 'PX', math.ceil(new[i] - now) + 1000) end
+local out = {allowed, -1, 0, -1, 0, math.floor(retry)}
+for i = 1, 2 do
+  if limits[i] > 0 then
+    local basis = tats[i]
+    if allowed == 1 then
+      basis = afters[i]
+      redis.call('SET', KEYS[i], tostring(basis), 'PX', math.ceil(basis - now) + 1000)
+    end
+    out[i * 2] = math.floor((period - (basis - now)) / (period / limits[i]))
+    out[i * 2 + 1] = math.floor(basis - now)
   end
 end
-for i = 2, 6 do out[i] = math.floor(out[i]) end
 return out
 """
 
@@ -165,26 +165,22 @@ class RateLimiter:
         task.add_done_callback(self._tasks.discard)
 
     def _check_memory(self, keys: tuple[str, str], rpm: int, tpm: int, tokens: int) -> list[float]:
+        """The Redis script's arithmetic (see ``_CHECK``), on this process's own clock."""
         now = time.monotonic()
-        out = [1.0, -1.0, 0.0, -1.0, 0.0, 0.0]
-        new: dict[str, float] = {}
-        for i, (key, limit, cost) in enumerate(((keys[0], rpm, 1), (keys[1], tpm, tokens)), 1):
+        checks = [(key, limit, cost) for key, limit, cost in ((keys[0], rpm, 1), (keys[1], tpm, tokens))]
+        tats = [max(self._memory.get(key, now), now) for key, _, _ in checks]
+        afters = [tat + PERIOD_S / limit * cost if limit else tat for tat, (_, limit, cost) in zip(tats, checks)]
+        over = [after - now - PERIOD_S for after, (_, limit, _) in zip(afters, checks) if limit]
+        allowed = all(o <= 0 for o in over)
+        out = [float(allowed), -1.0, 0.0, -1.0, 0.0, max([0.0, *over]) * 1000]
+        for i, ((key, limit, _), tat, after) in enumerate(zip(checks, tats, afters)):
             if not limit:
                 continue
-            interval = PERIOD_S / limit
-            tat = max(self._memory.get(key, now), now)
-            after = tat + interval * cost
-            if after - now > PERIOD_S:
-                out[0] = 0.0
-                out[5] = max(out[5], (after - now - PERIOD_S) * 1000)
-                out[i * 2 - 1] = math.floor((PERIOD_S - (tat - now)) / interval)
-                out[i * 2] = (tat - now) * 1000
-            else:
-                new[key] = after
-                out[i * 2 - 1] = math.floor((PERIOD_S - (after - now)) / interval)
-                out[i * 2] = (after - now) * 1000
-        if out[0]:
-            self._memory.update(new)
+            basis = after if allowed else tat
+            if allowed:
+                self._memory[key] = after
+            out[2 * i + 1] = math.floor((PERIOD_S - (basis - now)) / (PERIOD_S / limit))
+            out[2 * i + 2] = (basis - now) * 1000
         return out
 
     async def _call(self, script, keys: list[str], args: list) -> list | None:

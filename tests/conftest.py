@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
 import uvicorn
 import yaml
 
@@ -178,3 +179,34 @@ def gateway_processes(tmp_path):
     yield start
     for gw in started:
         gw.stop()
+
+
+
+
+
+@pytest.fixture
+def private_redis(tmp_path):
+    """A redis-server of the test's own (a test may kill it): (port, process)."""
+    port = free_port()
+    proc = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    client = redis.Redis(port=port)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise RuntimeError("private redis-server did not start") from None
+            time.sleep(0.02)
+    client.close()
+    yield port, proc
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()

@@ -30,7 +30,7 @@ from gateway.caching import CacheLayer, Recorder
 from gateway.openai import parse_request
 from gateway.relay import _take_usage
 from tests.conftest import ROOT, GatewayProcess, cluster
-from tests.fakes import free_port
+
 
 CHAT_PATH = "/v1/chat/completions"
 REDIS_URL = "redis://127.0.0.1:6379/15"
@@ -499,33 +499,6 @@ async def test_followers_of_a_failed_json_leader_retry_upstream(memory_gw):
 
 
 # -- Redis outage ------------------------------------------------------------------------
-
-
-@pytest.fixture
-def private_redis(tmp_path):
-    port = free_port()
-    proc = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(tmp_path)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    client = redis.Redis(port=port)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                raise RuntimeError("private redis-server did not start") from None
-            time.sleep(0.02)
-    client.close()
-    yield port, proc
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
 
 
 @pytest.mark.parametrize("backend", ["redis", "tiered"])
