@@ -9,12 +9,15 @@ gateway's health state for ejection and readmission.
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
 import time
 
 import httpx
 import pytest
 
 from routing import BreakerState
+from tests.conftest import cluster
 from tests.fakes import FakeUpstream, free_port
 
 US_CLIENT = "192.0.2.10"
@@ -307,3 +310,113 @@ def test_a_json_answer_is_not_fed_into_the_ttft_average(upstreams, gateways, geo
     endpoint = gw.state.fleet.health.endpoint(west.url)
     assert endpoint.ttft_s is None  # a JSON answer's first byte is its last: no TTFT sample
     assert endpoint.requests == 1 and endpoint.inflight == 0
+
+
+# -- governance: queues, deadlines, shedding, budgets passed on --------------------------------
+
+
+def one_slot(fake, **admission) -> dict:
+    return {
+        "clusters": [{"name": "c", "models": [MODEL], "endpoints": [{"url": fake.url, "max_concurrency": 1, "warm_connections": 0}]}],
+        "routing": {"hedging": {"enabled": False}},
+        "admission": admission,
+    }
+
+
+def chat_body(**fields) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **fields}
+
+
+def test_two_equal_tenants_flooding_one_target_get_equal_shares(upstreams, gateways):
+    fake = upstreams(ttft=0.02, tokens=1)
+    config = {
+        "clusters": [{"name": "c", "models": [MODEL], "endpoints": [{"url": fake.url, "max_concurrency": 2}]}],
+        "routing": {"hedging": {"enabled": False}},
+        "auth": {"mode": "required"},
+        "tenants": [{"name": "a", "keys": ["sk-a"]}, {"name": "b", "keys": ["sk-b"]}],
+        "admission": {"predict": False},
+    }
+    gw = gateways(config)
+    done = {"a": 0, "b": 0}
+    until = time.monotonic() + 3.0
+
+    def flood(name: str) -> None:
+        with httpx.Client(timeout=10, headers={"authorization": f"Bearer sk-{name}"}) as client:
+            while time.monotonic() < until:
+                if client.post(gw.url + "/v1/chat/completions", json=chat_body()).status_code == 200:
+                    done[name] += 1
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        # b sends three times as many requests at once: it still gets only its equal share
+        futures = [pool.submit(flood, "a") for _ in range(4)] + [pool.submit(flood, "b") for _ in range(12)]
+        for f in futures:
+            f.result()
+    assert done["a"] > 20, done
+    assert abs(done["a"] - done["b"]) <= 0.1 * max(done.values()), done
+
+
+def test_a_queued_request_past_its_deadline_is_never_sent(upstreams, gateways):
+    fake = upstreams()
+    gw = gateways(one_slot(fake, predict=False))
+    with httpx.Client(timeout=10) as client, client.stream(
+        "POST", gw.url + "/v1/chat/completions", json=chat_body(stream=True, fake={"ttft": 2.0})
+    ):
+        wait_for(lambda: len(fake.requests) == 1, 3, "the first request to hold the slot")
+        late = client.post(gw.url + "/v1/chat/completions", json=chat_body(), headers={"x-latency-budget-ms": "300"})
+        assert late.status_code == 503 and late.json()["error"]["code"] == "deadline_exceeded"
+        assert "retry-after" in late.headers
+        assert len(fake.requests) == 1  # dropped in the queue, never sent
+    metrics = httpx.get(gw.url + "/metrics").text
+    assert 'edgegw_shed_total{priority="standard",reason="deadline"} 1.0' in metrics
+
+
+def test_a_request_no_target_can_start_in_time_is_answered_at_once(upstreams, gateways):
+    fake = upstreams()
+    gw = gateways(one_slot(fake))
+    # measure the target: a slot is held about half a second
+    assert httpx.post(gw.url + "/v1/chat/completions", json=chat_body(fake={"ttft": 0.5}), timeout=10).status_code == 200
+    with httpx.Client(timeout=10) as client, client.stream(
+        "POST", gw.url + "/v1/chat/completions", json=chat_body(stream=True, fake={"ttft": 3.0})
+    ):
+        wait_for(lambda: len(fake.requests) == 2, 3, "the slot to be taken")
+        started = time.monotonic()
+        shed = client.post(gw.url + "/v1/chat/completions", json=chat_body(), headers={"x-latency-budget-ms": "200"})
+        answered_in = time.monotonic() - started
+        assert shed.status_code == 503 and shed.json()["error"]["code"] == "capacity_exceeded"
+        assert int(shed.headers["retry-after"]) >= 1
+        assert answered_in < 0.2  # at once, not after waiting out its budget
+        assert httpx.get(gw.url + "/readyz").status_code == 503  # a load balancer should steer away
+        # a request with a budget that allows the wait is queued and served
+        patient = client.post(gw.url + "/v1/chat/completions", json=chat_body(), headers={"x-latency-budget-ms": "10000"})
+        assert patient.status_code == 200
+    assert len(fake.requests) == 3
+
+
+def test_a_tenant_waiting_behind_its_own_backlog_gets_429(upstreams, gateways):
+    fake = upstreams()
+    config = one_slot(fake)
+    config["tenants"] = [{"name": "t", "keys": ["sk-t"]}]
+    gw = gateways(config)
+    assert httpx.post(gw.url + "/v1/chat/completions", json=chat_body(fake={"ttft": 0.5}), timeout=10).status_code == 200
+    headers = {"authorization": "Bearer sk-t"}
+    url = gw.url + "/v1/chat/completions"
+    patient = {**headers, "x-latency-budget-ms": "20000"}
+    queued = threading.Thread(target=lambda: httpx.post(url, json=chat_body(), headers=patient, timeout=20))
+    with httpx.Client(timeout=10, headers=headers) as client, client.stream("POST", url, json=chat_body(stream=True, fake={"ttft": 3.0})):
+        queued.start()
+        wait_for(lambda: gw.state.fleet.queues[fake.url].waiting == 1, 3, "one of its requests waiting")
+        refused = httpx.post(url, json=chat_body(), headers={**headers, "x-latency-budget-ms": "300"})
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "tenant_backlog"
+    queued.join(20)
+
+
+def test_the_remaining_budget_is_passed_on_and_shrinks_at_every_hop(upstreams, gateways):
+    fake = upstreams()
+    central = gateways({"clusters": [cluster(fake)]})  # an edgegw in front of the inference server
+    edge = gateways({"clusters": [{"name": "central", "models": ["fake-model"], "endpoints": [{"url": central.url + "/v1"}]}]})
+    r = httpx.post(edge.url + "/v1/chat/completions", json=chat_body(stream=True), headers={"x-latency-budget-ms": "5000"}, timeout=10)
+    assert r.status_code == 200
+    budget = int(fake.requests[-1].headers["x-latency-budget-ms"])
+    assert budget <= 4998  # two hops, each passing on strictly less than it got
+    assert budget > 4000
+    assert "budget=5000ms" in r.headers["x-edgegw-route"]  # the edge's own route; the central one's is not relayed

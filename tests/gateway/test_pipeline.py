@@ -3,6 +3,8 @@ tiny random model) to a central cluster (a fake), on both completion APIs."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 
@@ -44,3 +46,31 @@ def test_a_sure_enough_edge_answer_is_kept_without_the_logprobs_asked_on_its_beh
     assert response.json()["model"] == "tiny"
     assert response.json()["choices"][0]["logprobs"] is None
     assert not fake.requests
+
+
+def test_a_busy_central_target_degrades_an_auto_request_to_the_edge(upstreams, gateways, tiny_model):
+    """The central endpoint's queue would outlast the request's budget: an `auto` request is
+    admitted to the edge engine instead of waiting (routing allows degrading it there)."""
+    fake = upstreams()
+    config = {
+        "edge": {**EDGE, "model": tiny_model},
+        "clusters": [
+            {"name": "central", "models": ["central-model"], "endpoints": [{"url": fake.url, "max_concurrency": 1, "warm_connections": 0}]}
+        ],
+        "routing": {"policy": {"edge_max_prompt_tokens": 1, "central_model": "central-model", "prior_ttft_ms": 100}, "hedging": {"enabled": False}},
+    }
+    gw = gateways(config)
+    url = gw.url + "/v1/chat/completions"
+    long_ask = {"model": "auto", "messages": [{"role": "user", "content": "a prompt longer than the edge takes"}], "max_tokens": 4}
+    assert httpx.post(url, json={**long_ask, "fake": {"ttft": 0.5}}, timeout=30).status_code == 200  # measured: ~0.5 s a slot
+    assert fake.requests[-1].body["model"] == "central-model"
+    with httpx.Client(timeout=30) as client, client.stream("POST", url, json={**long_ask, "stream": True, "fake": {"ttft": 3.0}}):
+        deadline = time.monotonic() + 3
+        while len(fake.requests) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        degraded = client.post(url, json=long_ask, headers={"x-latency-budget-ms": "450"})
+        assert degraded.status_code == 200, degraded.text
+        assert degraded.json()["model"] == "tiny"
+        route = degraded.headers["x-edgegw-route"]
+        assert "admitted-to=edge" in route and "served-by=edge" in route
+    assert len(fake.requests) == 2
