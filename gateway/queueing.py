@@ -149,8 +149,9 @@ class TargetQueue:
         ``QueueDeadline`` when ``deadline`` (``time.monotonic()``) passes first, and
         ``Overloaded`` when ``max_queue`` requests are waiting already."""
         now = time.monotonic()
-        if not self._waiting and self._can_start(tenant.rank):
-            return self._start(tenant.rank, now, 0.0)
+        rank = tenant.rank
+        if self._can_start(rank) and not any(self._waiting_by_rank[: rank + 1]):
+            return self._start(rank, now, 0.0)  # nobody of its class or better is waiting
         if self._waiting >= self.max_queue:
             raise Overloaded(f"{self._waiting} requests are waiting for {self.name}", retry_after=self.retry_after(tenant))
         loop = asyncio.get_running_loop()

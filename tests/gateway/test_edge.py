@@ -22,7 +22,14 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 @pytest.fixture(scope="module")
 def edge_gateway():
     settings = Settings.model_validate(
-        {"edge": {"enabled": True, "max_model_len": 2048}, "cache": {"backend": "memory"}}
+        {
+            "edge": {"enabled": True, "max_model_len": 2048, "max_num_seqs": 4},
+            "cache": {"backend": "memory"},
+            "tenants": [
+                {"name": "bulk", "keys": ["sk-bulk"], "priority": "batch"},
+                {"name": "app", "keys": ["sk-app"], "priority": "interactive", "budget_ms": 3000},
+            ],
+        }
     )
     gw = GatewayThread(settings).start(timeout=180)  # loading the model on a busy 2-core box
     yield gw
@@ -90,3 +97,44 @@ def test_client_disconnect_frees_the_engine_sequence(edge_gateway):
     metrics = httpx.get(edge_gateway.url + "/metrics").text
     assert "edgegw_edge_running 0.0" in metrics
     assert f"edgegw_edge_kv_blocks_total {float(stats.num_kv_blocks_total)}" in metrics
+
+
+def test_an_interactive_request_does_not_wait_behind_another_tenants_streams(edge_gateway):
+    """Another tenant keeps six long streams on an engine that runs four sequences at once:
+    an interactive request is still answered within its budget (the engine preempts a batch
+    sequence for it), not after a batch stream ends."""
+    engine = edge_gateway.state.fleet.edge.engine
+    host, port = edge_gateway.url.removeprefix("http://").split(":")
+    long = orjson.dumps(
+        {"model": "smollm2-135m-instruct", "messages": QUESTION, "max_tokens": 600, "stream": True, "ignore_eos": True}
+    )
+    bulk = []
+    try:
+        for _ in range(6):
+            sock = socket.create_connection((host, int(port)))
+            sock.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
+                b"authorization: Bearer sk-bulk\r\ncontent-length: " + str(len(long)).encode() + b"\r\n\r\n" + long
+            )
+            bulk.append(sock)
+        deadline = time.monotonic() + 60
+        while engine.stats().num_running < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.stats().num_running == 4
+        assert edge_gateway.state.fleet.queues["edge"].waiting == 2  # the rest wait in the gateway
+        started = time.monotonic()
+        body = {"model": "smollm2-135m-instruct", "messages": QUESTION, "max_tokens": 8, "stream": True}
+        with httpx.stream("POST", edge_gateway.url + "/v1/chat/completions", json=body, headers={"authorization": "Bearer sk-app"}, timeout=60) as r:
+            assert r.status_code == 200, (r.read(), r.headers.get("x-edgegw-route"))
+            first = next(line for line in r.iter_lines() if line.startswith("data:"))
+            ttft = time.monotonic() - started
+        assert '"role":"assistant"' in first.replace(" ", "")
+        assert ttft < 3.0, f"interactive TTFT {ttft:.2f} s behind batch streams"
+        assert engine.stats().num_preemptions >= 1
+    finally:
+        for sock in bulk:
+            sock.close()
+    deadline = time.monotonic() + 10
+    while (engine.stats().num_running or engine.stats().num_waiting) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.stats().num_running == 0
