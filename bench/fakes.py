@@ -14,6 +14,8 @@ through the gateway):
     fail_after   drop the connection after this many content chunks
     hang         never answer
     health_delay seconds before GET /health answers (how fast a probe finds it)
+    slots        (server-wide, from the defaults) answer at most this many requests at once
+                 and queue the rest first come, first served, as an inference server does
 
 ``FakeApp`` is a plain ASGI app: serve it with uvicorn (HTTP/1.1) or hypercorn (HTTP/2
 cleartext; call ``honour_h2_flow_control()`` first). Every request is recorded
@@ -65,6 +67,7 @@ DEFAULTS = {
     "hang": False,
     "headers_first": True,
     "health_delay": 0.0,
+    "slots": None,
 }
 
 
@@ -102,6 +105,7 @@ class FakeApp:
         self.defaults = {**DEFAULTS, **defaults}
         self.requests: list[Seen] = []
         self.gets: list[str] = []  # paths of the GET requests
+        self._slots: asyncio.Semaphore | None = None
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
@@ -134,7 +138,14 @@ class FakeApp:
         script = {**self.defaults, **data.get("fake", {})}
         watcher = asyncio.create_task(_watch(receive, seen))
         try:
-            await self._answer(send, seen, data, script, path)
+            if self.defaults["slots"]:
+                if self._slots is None:
+                    self._slots = asyncio.Semaphore(self.defaults["slots"])
+                async with self._slots:
+                    seen.started = time.monotonic()  # its turn came: the server's queue is behind it
+                    await self._answer(send, seen, data, script, path)
+            else:
+                await self._answer(send, seen, data, script, path)
         finally:
             watcher.cancel()
 
