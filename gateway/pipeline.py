@@ -121,6 +121,8 @@ class Pipeline:
         route = _route_header(decision)
         if opened.target is not decision.target:
             route += b"; served-by=" + opened.target.label().encode()
+        if opened.queued >= 0.0005:
+            route += b"; queued=%dms" % round(opened.queued * 1000)
         if opened.note:
             route += b"; " + opened.note.encode("ascii", "replace")
         if cascade and reply.status == 200:
