@@ -1,8 +1,9 @@
-"""The OpenAI request parser: the body parsed once (orjson), and the fields the gateway
-itself interprets checked.
+"""The OpenAI request parser: the body parsed once (orjson), and the fields checked by the
+same rules the edge engine applies (``edge_engine.openai_fields``: one validator, naming
+the parameter).
 
-Only the fields that routing, caching and relaying need are looked at; the body bytes are
-forwarded unchanged unless a field has to be rewritten (``with_fields``).
+Fields the gateway does not interpret pass through untouched: the body bytes are forwarded
+unchanged unless a field has to be rewritten (``with_fields``).
 """
 
 from __future__ import annotations
@@ -11,14 +12,14 @@ from typing import Any
 
 import orjson
 
+from edge_engine.errors import InvalidRequestError
+from edge_engine.openai_fields import check_request
 from gateway.errors import InvalidRequest
 
 __all__ = ["CHAT", "COMPLETION", "ParsedRequest", "kind_of", "parse_request"]
 
 CHAT = "chat"
 COMPLETION = "completion"
-
-_NUMBER = (int, float)
 
 
 class ParsedRequest:
@@ -64,51 +65,8 @@ def parse_request(kind: str | None, body: bytes) -> ParsedRequest:
         raise InvalidRequest("you must provide a model parameter", param="model", code="missing_required_parameter")
     if not isinstance(model, str) or not model:
         raise InvalidRequest("model must be a non-empty string", param="model", code="invalid_type")
-    if kind == CHAT:
-        _check_messages(data.get("messages"))
-    else:
-        prompt = data.get("prompt")
-        if prompt is None:
-            raise InvalidRequest("you must provide a prompt parameter", param="prompt", code="missing_required_parameter")
-        if not isinstance(prompt, (str, list)):
-            raise InvalidRequest("prompt must be a string or an array", param="prompt", code="invalid_type")
-    _check_type(data, "stream", bool)
-    _check_type(data, "stream_options", dict)
-    _check_range(data, "temperature", 0.0, 2.0)
-    _check_range(data, "top_p", 0.0, 1.0, low_open=True)
-    for name in ("max_tokens", "max_completion_tokens", "n"):
-        value = data.get(name)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise InvalidRequest(f"{name} must be an integer of at least 1", param=name, code="invalid_value")
+    try:
+        check_request(kind, data)  # the engine's rules: one validator for both
+    except InvalidRequestError as exc:
+        raise InvalidRequest(exc.message, param=exc.param, code=exc.code) from None
     return ParsedRequest(kind, data, body)
-
-
-def _check_messages(messages: Any) -> None:
-    if messages is None:
-        raise InvalidRequest("you must provide a messages parameter", param="messages", code="missing_required_parameter")
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequest("messages must be a non-empty array", param="messages", code="invalid_type")
-    for index, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise InvalidRequest(
-                f"messages[{index}] must be an object with a string role",
-                param=f"messages.[{index}].role",
-                code="invalid_type",
-            )
-
-
-def _check_type(data: dict, name: str, kind: type) -> None:
-    value = data.get(name)
-    if value is not None and not isinstance(value, kind):
-        raise InvalidRequest(f"{name} must be of type {kind.__name__}", param=name, code="invalid_type")
-
-
-def _check_range(data: dict, name: str, low: float, high: float, *, low_open: bool = False) -> None:
-    value = data.get(name)
-    if value is None:
-        return
-    if not isinstance(value, _NUMBER) or isinstance(value, bool):
-        raise InvalidRequest(f"{name} must be a number", param=name, code="invalid_type")
-    if value < low or value > high or (low_open and value == low):
-        bounds = f"({low:g}, {high:g}]" if low_open else f"[{low:g}, {high:g}]"
-        raise InvalidRequest(f"{name} must be in {bounds}, got {value}", param=name, code="invalid_value")
