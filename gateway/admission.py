@@ -34,7 +34,17 @@ import re
 import time
 import uuid
 
-from gateway.errors import ClientGone, GatewayError, InvalidRequest, Overloaded, PayloadTooLarge, RateLimited, RequestTimeout, send_error
+from gateway.errors import (
+    ClientGone,
+    GatewayError,
+    InvalidRequest,
+    Overloaded,
+    PayloadTooLarge,
+    RateLimited,
+    RequestTimeout,
+    UnsupportedMediaType,
+    send_error,
+)
 from gateway.forwarding import HeaderPolicy
 from gateway.observability import Metrics, Timing
 from gateway.openai import ParsedRequest, parse_request
@@ -64,7 +74,7 @@ class RequestContext:
     __slots__ = (
         "request_id", "timing", "arrival", "raw_headers", "headers", "peer", "tenant", "forward", "body",
         "parsed", "api", "model", "via", "status", "gone", "finished", "rate_headers", "token_estimate",
-        "usage_tokens", "_admitted",
+        "usage_tokens", "send_timeout", "stalled", "_admitted",
     )
 
     def __init__(self, scope: dict, request_id: bytes, api: str) -> None:
@@ -88,6 +98,8 @@ class RequestContext:
         self.rate_headers: list[tuple[bytes, bytes]] = []  # x-ratelimit-* for the response
         self.token_estimate = 0  # tokens charged at admission
         self.usage_tokens: int | None = None  # the answer's real usage, when it said
+        self.send_timeout = 60.0  # limits.send_timeout_s (gateway.relay.Stall)
+        self.stalled = False  # the client accepted nothing for send_timeout: ended as if gone
         self._admitted = 0  # what Gate.admit took: 1 the gateway's slot, 2 also the tenant's
 
     @property
@@ -141,6 +153,7 @@ class Gate:
         """Everything between the body and the pipeline (steps 5 of the module docstring);
         ``done`` gives back what it took, whatever happened."""
         limits = self.settings.limits
+        ctx.send_timeout = limits.send_timeout_s
         self.check_open()
         if self.in_flight >= limits.max_in_flight:
             raise Overloaded("the gateway is at its concurrency limit", retry_after=limits.retry_after_s)
@@ -224,6 +237,7 @@ class AdmissionApp:
         try:
             gate.check_open()
             gate.identify(ctx)
+            _check_content_type(ctx)
             ctx.body = await read_body(scope, receive, limits.max_body_bytes, limits.body_timeout_s)
             await gate.admit(ctx, self.kind)
             ctx.timing.mark("admit")
@@ -252,6 +266,13 @@ class AdmissionApp:
             if watcher is not None:
                 watcher.cancel()
             gate.done(ctx)
+
+
+def _check_content_type(ctx: RequestContext) -> None:
+    """A body the gateway reads as JSON must say so (or say nothing)."""
+    value = ctx.headers.get("content-type")
+    if value is not None and value.split(";", 1)[0].strip().lower() not in ("application/json", ""):
+        raise UnsupportedMediaType(f"the request body must be JSON (Content-Type: application/json), not {value[:100]!r}")
 
 
 def _refusal_headers(ctx: RequestContext, exc: GatewayError) -> list[tuple[bytes, bytes]]:

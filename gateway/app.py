@@ -109,6 +109,9 @@ def create_app(settings: Settings, *, metrics: Metrics | None = None) -> Gateway
         WebSocketRoute("/v1/ws", WebSocketApp(pipeline, gate, gateway.metrics)),
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: _http_error, 405: _http_error})
+    # Starlette answers "/v1/models/" with a redirect built from the client's Host header
+    # (Host: evil.example -> http://evil.example/v1/models): a 404 here, never a redirect
+    app.router.redirect_slashes = False
     return GatewayApp(gateway, app, completions)
 
 

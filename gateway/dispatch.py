@@ -42,6 +42,7 @@ from gateway.openai import ParsedRequest
 from gateway.queueing import QueueDeadline
 from gateway.replies import Reply
 from routing import NoRoute, RouteDecision, Target, TargetKind, UnknownModel, decide, locate_client, request_from_openai
+from routing.config import AUTO, EDGE
 
 __all__ = ["Dispatcher", "HedgedReply", "Opened"]
 
@@ -95,12 +96,20 @@ class Dispatcher:
                 ) from None
             raise ModelNotFound(f"the model '{parsed.model}' does not exist or is not served here", param="model") from None
         except NoRoute as exc:
-            if fleet.edge is not None and parsed.model == fleet.edge.model_name:
+            if fleet.edge is not None and self._only_the_edge_serves(parsed.model):
                 # a request the engine can never serve (prompt or max_tokens past the context)
-                # is the client's error: let the engine name the parameter (400)
+                # is the client's error, not a capacity problem to retry: the engine names
+                # the parameter (400)
                 await fleet.edge.check(parsed.kind, parsed.data)
             retry_after = exc.retry_after_s or self.settings.limits.retry_after_s
             raise NoHealthyUpstream(f"no healthy route for model '{parsed.model}': {exc}", retry_after=retry_after) from None
+
+    def _only_the_edge_serves(self, model: str) -> bool:
+        """Whether the edge engine is the only thing that could ever serve ``model``: the
+        edge model itself, or ``auto`` with no central cluster."""
+        table = self.fleet.table
+        route = table.resolve_model(model)
+        return route.kind == EDGE or route.model == self.fleet.edge.model_name or (route.kind == AUTO and table.central_model is None)
 
     async def open(self, decision: RouteDecision, parsed: ParsedRequest, ctx: RequestContext) -> Opened:
         """The first reply that starts well, from the first target that can start it within

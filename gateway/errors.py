@@ -11,6 +11,7 @@ GatewayError                       -> {"error": {"message", "type", "param", "co
 ├── ModelNotFound           404    no cluster and no engine serves the model
 ├── RequestTimeout          408    the request body did not arrive within limits.body_timeout_s
 ├── PayloadTooLarge         413    request body over limits.max_body_bytes
+├── UnsupportedMediaType    415    a request body that says it is not JSON
 ├── RateLimited             429    tenant over its rate or concurrency (Retry-After)
 ├── UpstreamError           502    upstream broke or answered nonsense
 │   └── UpstreamConnectError       could not open (or reuse) a connection
@@ -37,6 +38,7 @@ __all__ = [
     "ModelNotFound",
     "PayloadTooLarge",
     "RequestTimeout",
+    "UnsupportedMediaType",
     "ClientGone",
     "RateLimited",
     "UpstreamError",
@@ -117,6 +119,12 @@ class PayloadTooLarge(GatewayError):
     status = 413
     type = "invalid_request_error"
     code = "request_too_large"
+
+
+class UnsupportedMediaType(GatewayError):
+    status = 415
+    type = "invalid_request_error"
+    code = "unsupported_media_type"
 
 
 class RateLimited(GatewayError):

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING
 import orjson
 
 from cache import is_usage_chunk
-from gateway.errors import GatewayError, UpstreamProtocolError, UpstreamReadTimeout, error_body
+from gateway.errors import GatewayError, Overloaded, UpstreamProtocolError, UpstreamReadTimeout, error_body
 from gateway.upstream.base import Body
 
 if TYPE_CHECKING:  # annotations only: the pipeline imports this module
@@ -44,6 +45,7 @@ __all__ = [
     "respond_websocket",
     "sse_event",
     "sse_events",
+    "Stall",
     "sse_payloads",
     "usage_tokens",
     "ws_error",
@@ -67,6 +69,7 @@ _DROP_RESPONSE_HEADERS = frozenset(
     }
 )
 _WS_DONE = '{"type":"done"}'
+_STOPPED = Overloaded("the gateway stopped this stream: it is shutting down and the drain time ran out", code="shutting_down")
 
 
 # -- framing ----------------------------------------------------------------------------
@@ -249,12 +252,49 @@ async def respond_json(send, ctx: RequestContext, answer: Answer, series: Series
     ctx.status = reply.status
     await send({"type": "http.response.start", "status": reply.status, "headers": headers})
     ctx.responded()
-    await send({"type": "http.response.body", "body": data})
+    stall = Stall(ctx, ctx.send_timeout)
+    try:
+        await stall.send(send, {"type": "http.response.body", "body": data})
+    finally:
+        stall.stop()
     if ok:
         elapsed = ctx.timing.elapsed()
         series.e2e.observe(elapsed)
         # a JSON answer's first byte is its last: its time is an end-to-end figure, not a TTFT
         reply.finish(True, 1, time.monotonic())
+
+
+class Stall:
+    """Ends an answer whose client has accepted nothing for ``timeout`` seconds (nginx's
+    ``send_timeout``): the request task is cancelled as if the client had left, which closes
+    the reply and cancels the upstream request. The hot path only notes when a send starts
+    and ends; one timer per answer checks, every half ``timeout``."""
+
+    __slots__ = ("ctx", "task", "timeout", "sending", "_loop", "_timer")
+
+    def __init__(self, ctx: RequestContext, timeout: float) -> None:
+        self.ctx = ctx
+        self.task = asyncio.current_task()
+        self.timeout = timeout
+        self.sending = 0.0  # loop.time() when the send under way began; 0: none
+        self._loop = asyncio.get_running_loop()
+        self._timer = self._loop.call_later(timeout / 2, self._check)
+
+    def _check(self) -> None:
+        if self.sending and self._loop.time() - self.sending >= self.timeout:
+            self.ctx.gone = True  # for all purposes: nobody is reading
+            self.ctx.stalled = True
+            self.task.cancel()
+            return
+        self._timer = self._loop.call_later(self.timeout / 2, self._check)
+
+    async def send(self, send, message: dict) -> None:
+        self.sending = self._loop.time()
+        await send(message)
+        self.sending = 0.0
+
+    def stop(self) -> None:
+        self._timer.cancel()
 
 
 async def respond_sse(send, ctx: RequestContext, answer: Answer, series: Series) -> None:
@@ -270,6 +310,7 @@ async def respond_sse(send, ctx: RequestContext, answer: Answer, series: Series)
     ctx.status = reply.status
     await send({"type": "http.response.start", "status": reply.status, "headers": headers})
     message = {"type": "http.response.body", "body": b"", "more_body": True}
+    stall = Stall(ctx, ctx.send_timeout)
     try:
         async with contextlib.aclosing(measured(ctx, answer, series)) as stream:
             async for events in stream:
@@ -278,11 +319,23 @@ async def respond_sse(send, ctx: RequestContext, answer: Answer, series: Series)
                         continue
                     events = PING
                 message["body"] = events
-                await send(message)
+                await stall.send(send, message)
     except GatewayError as exc:
         answer.failed_mid_stream = exc
         message["body"] = (b"\n\n" if reply.in_event else b"") + error_event(exc) + DONE
         await send(message)
+    except asyncio.CancelledError:
+        if ctx.gone:
+            raise
+        # stopped from outside with the client still there (the drain timeout ran out): end
+        # the stream the way any failure after the first byte ends, then stop
+        message["body"] = (b"\n\n" if reply.in_event else b"") + error_event(_STOPPED) + DONE
+        await send(message)
+        ctx.responded()
+        await send({"type": "http.response.body", "body": b""})
+        raise
+    finally:
+        stall.stop()
     ctx.responded()
     await send({"type": "http.response.body", "body": b""})
     series.e2e.observe(ctx.timing.elapsed())
@@ -303,11 +356,15 @@ async def respond_websocket(send, ctx: RequestContext, answer: Answer, series: S
         return
     ctx.status = reply.status
     message = {"type": "websocket.send", "text": ""}
-    async with contextlib.aclosing(measured(ctx, answer, series)) as stream:
-        async for events in stream:
-            for payload in sse_payloads(events) if events else ():
-                if payload != b"[DONE]":
-                    message["text"] = payload.decode()
-                    await send(message)
+    stall = Stall(ctx, ctx.send_timeout)
+    try:
+        async with contextlib.aclosing(measured(ctx, answer, series)) as stream:
+            async for events in stream:
+                for payload in sse_payloads(events) if events else ():
+                    if payload != b"[DONE]":
+                        message["text"] = payload.decode()
+                        await stall.send(send, message)
+    finally:
+        stall.stop()
     series.e2e.observe(ctx.timing.elapsed())
     await send({"type": "websocket.send", "text": _WS_DONE})

@@ -65,6 +65,7 @@ class LimitSettings(_Model):
     stream_buffer_bytes: int = Field(256 * 1024, ge=4096)  # per-stream buffer before the upstream is paused
     max_event_bytes: int = Field(1024 * 1024, ge=1024)  # largest single SSE event relayed
     keepalive_interval_s: float = Field(15.0, gt=0)  # ": ping" comment after this much stream idleness
+    send_timeout_s: float = Field(60.0, gt=0)  # a client that accepts nothing this long: stream ended, upstream cancelled
     drain_timeout_s: float = Field(30.0, ge=0)  # on SIGTERM, how long in-flight streams may finish
     max_attempts: int = Field(3, ge=1)  # endpoints tried per request before giving up (failover)
     startup_wait_s: float = Field(2.0, ge=0)  # start-up waits this long at most for warm-up and model discovery

@@ -28,8 +28,9 @@ _API_PATHS = {"chat": b"/chat/completions", "completion": b"/completions"}
 
 
 class Upstream:
-    """One endpoint: its origin, its pool, and an httpx client over that pool (its health
-    and latency live in ``routing.HealthState``, keyed by ``url``).
+    """One endpoint: its origin, its pool for requests, and an httpx client over a small
+    pool of its own for probes and model discovery (its health and latency live in
+    ``routing.HealthState``, keyed by ``url``).
 
     Must be created inside the running event loop (the pools bind to it).
     """
@@ -61,13 +62,18 @@ class Upstream:
             timeouts=self.timeouts,
             high_water=high_water,
         )
+        # probes and model discovery have connections of their own: a pool full of streams
+        # whose clients read nothing must not make a healthy endpoint look dead
+        self.control: Pool = pool_type(
+            origin, max_connections=2, warm_connections=0, timeouts=self.timeouts, high_water=high_water
+        )
         self.headers: list[tuple[bytes, bytes]] = [_JSON]
         key = endpoint_api_key(settings)
         if key:
             self.headers.append((b"authorization", b"Bearer " + key.encode()))
         self.client = httpx.AsyncClient(
             base_url=f"{parts.scheme}://{parts.netloc}",
-            transport=PoolTransport(self.pool, settings.read_timeout_s),
+            transport=PoolTransport(self.control, settings.read_timeout_s),
             timeout=httpx.Timeout(
                 settings.read_timeout_s,
                 connect=settings.connect_timeout_s,
@@ -85,7 +91,8 @@ class Upstream:
         return await self.pool.request(b"POST", self.base + _API_PATHS[kind], self.headers + headers, body, head_within)
 
     async def aclose(self) -> None:
-        await self.client.aclose()  # closes the pool through the transport
+        await self.client.aclose()  # closes the control pool through the transport
+        await self.pool.aclose()
 
     def __repr__(self) -> str:
         return f"<Upstream {self.url} {self.protocol} cluster={self.cluster}>"

@@ -178,6 +178,27 @@ def test_sigterm_drains_a_live_stream(upstreams, gateway_processes):
     assert fake.requests[-1].finished
 
 
+def test_a_stream_cut_by_the_drain_timeout_ends_with_an_error_event_and_done(upstreams, gateway_processes):
+    fake = upstreams(tokens=200, delay=0.05)  # 10 s of tokens
+    gw = gateway_processes({"clusters": [cluster(fake)], "limits": {"drain_timeout_s": 1}})
+    result: dict = {}
+
+    def stream() -> None:
+        with httpx.stream("POST", gw.url + "/v1/chat/completions", json={**CHAT, "stream": True}, timeout=30) as r:
+            result["body"] = b"".join(r.iter_bytes())
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    assert wait_for(lambda: fake.requests and fake.requests[-1].chunks_sent >= 2)
+    gw.proc.send_signal(signal.SIGTERM)
+    thread.join(30)
+    body = result["body"]
+    assert body.count(b'"content":"tok') < 200  # cut short, but said so:
+    assert b'"code":"shutting_down"' in body and body.endswith(b"data: [DONE]\n\n")
+    assert gw.proc.wait(20) == 0
+    assert wait_for(fake.requests[-1].disconnected.is_set, 5)  # and the upstream request cancelled
+
+
 # -- every way a reply can end leaves nothing behind ---------------------------------------
 
 
@@ -291,3 +312,26 @@ def test_every_ending_releases_everything(upstreams, gateways, protocol, ending)
     while leaks(gw, baseline) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert leaks(gw, baseline) == []
+
+
+def test_streams_whose_clients_read_nothing_are_ended_and_free_the_pool(upstreams, gateways):
+    fake = upstreams(tokens=4000, pad=16 * 1024)
+    config = {
+        "clusters": [cluster(fake, pool_size=3, warm_connections=0, pool_timeout_s=1)],
+        "limits": {"send_timeout_s": 1.0},
+        "routing": {"health": {"probe_interval_s": 0.2, "failure_threshold": 2}},
+    }
+    gw = gateways(config)
+    stuck = [raw_request(gw.url, {**CHAT, "stream": True}, rcvbuf=16 * 1024) for _ in range(3)]
+    try:
+        assert wait_for(lambda: len(fake.requests) == 3 and all(r.bytes_sent for r in fake.requests))
+        # meanwhile the pool is full, but probes have their own connections: nobody is ejected
+        time.sleep(0.5)
+        assert gw.state.fleet.health.is_available(fake.url, time.monotonic())
+        # after send_timeout_s without the clients accepting a byte, their streams are ended
+        assert wait_for(lambda: all(r.disconnected.is_set() for r in fake.requests[:3]), 6)
+        assert wait_for(lambda: gw.state.gate.in_flight == 0, 3)
+        assert httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "fake": {"tokens": 1}}, timeout=5).status_code == 200
+    finally:
+        for sock in stuck:
+            sock.close()

@@ -129,3 +129,21 @@ def test_an_unexpected_failure_is_an_openai_500_and_the_worker_lives_on(gw, monk
     assert "a bug" not in error["message"]  # internals stay in the log
     monkeypatch.undo()
     assert httpx.post(gw.url + "/v1/chat/completions", json=CHAT).status_code == 200
+
+
+def test_a_body_that_says_it_is_not_json_is_415(upstreams, gateways):
+    fake = upstreams()
+    gw = gateways({"clusters": [cluster(fake)]})
+    body = b'{"model": "fake-model", "messages": [{"role": "user", "content": "x"}]}'
+    refused = httpx.post(gw.url + "/v1/chat/completions", content=body, headers={"content-type": "text/plain"})
+    assert refused.status_code == 415 and refused.json()["error"]["code"] == "unsupported_media_type"
+    assert httpx.post(gw.url + "/v1/chat/completions", content=body, headers={"content-type": "application/json; charset=utf-8"}).status_code == 200
+    assert not any(r.body.get("x") for r in fake.requests) and len(fake.requests) == 1
+
+
+def test_a_trailing_slash_is_not_redirected_to_the_clients_host(upstreams, gateways):
+    fake = upstreams()
+    gw = gateways({"clusters": [cluster(fake)]})
+    response = httpx.get(gw.url + "/v1/models/", headers={"host": "evil.example"}, follow_redirects=False)
+    assert response.status_code == 404 and "location" not in response.headers
+    assert response.json()["error"]["code"] == "not_found"

@@ -4,6 +4,8 @@ a dead upstream."""
 from __future__ import annotations
 
 import logging
+import socket
+import time
 
 import httpx
 import pytest
@@ -53,3 +55,26 @@ def test_a_discovery_failure_is_a_warning_naming_the_url_and_status(upstreams, g
     response = httpx.post(gw.url + "/v1/chat/completions", json=CHAT)
     assert response.status_code == 503 and response.headers["retry-after"] == "1"
     assert response.json()["error"]["code"] == "models_not_discovered"
+
+
+@pytest.mark.parametrize("kind", ["closed-port", "silent"])
+def test_start_up_does_not_wait_on_a_dead_or_silent_upstream(tmp_path, kind):
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    if kind == "silent":
+        listener.listen(16)  # accepts connections, never answers
+    else:
+        listener.close()
+    started = time.monotonic()
+    gw = GatewayProcess(None, tmp_path, ["--upstream", f"http://127.0.0.1:{port}/v1"]).start(timeout=30)
+    try:
+        took = time.monotonic() - started
+        assert took < 10, f"start-up took {took:.1f} s"  # not the 120 s read timeout
+        response = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=10)
+        assert response.status_code == 503 and response.headers["retry-after"] == "1"
+        assert response.json()["error"]["code"] == "models_not_discovered"
+        assert httpx.get(gw.url + "/readyz").status_code == 503
+    finally:
+        gw.stop()
+        listener.close()

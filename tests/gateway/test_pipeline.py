@@ -74,3 +74,11 @@ def test_a_busy_central_target_degrades_an_auto_request_to_the_edge(upstreams, g
         route = degraded.headers["x-edgegw-route"]
         assert "admitted-to=edge" in route and "served-by=edge" in route
     assert len(fake.requests) == 2
+
+
+def test_an_auto_request_no_target_could_ever_serve_is_the_clients_error(gateways, tiny_model):
+    gw = gateways({"edge": {**EDGE, "model": tiny_model}})  # the edge engine alone, like `make run`
+    body = {"model": "auto", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1_000_000_000}
+    response = httpx.post(gw.url + "/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 400, response.text  # not a 503 to retry forever
+    assert response.json()["error"]["param"] == "max_tokens" and "retry-after" not in response.headers
