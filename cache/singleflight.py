@@ -383,9 +383,23 @@ class SingleFlight:
                         pipe.eval(_REFRESH, 1, lock, token, lock_px)
                     await asyncio.wait_for(pipe.execute(), write_timeout)
             except REDIS_FAILURES as exc:
-                # remote followers see the lock expire without a marker and go upstream
                 self._redis_failed("publish", exc)
+                await self._give_up(lock, stream, token)
                 return
+
+    async def _give_up(self, lock: str, stream: str, token: str) -> None:
+        """The leader's stream cannot be written: tell remote followers at once (an abort
+        marker, the lock dropped), on a fresh connection (the failed one may only have been
+        stale: a restarted Redis). If Redis is really gone, their own reads fail just as fast;
+        either way no follower waits for the lock to expire."""
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.xadd(stream, {"a": "the leader lost Redis"})
+                pipe.pexpire(stream, max(1, int(self.stream_ttl * 1000)))
+                pipe.eval(_RELEASE, 1, lock, token)
+                await asyncio.wait_for(pipe.execute(), self.timeout * 2)
+        except REDIS_FAILURES:
+            pass
 
     async def _pump(self, state: _State, token: str) -> None:
         """Follow a remote leader's stream into this process's `_State`."""

@@ -47,7 +47,7 @@ from gateway.errors import (
 )
 from gateway.forwarding import HeaderPolicy
 from gateway.observability import Metrics, Timing
-from gateway.openai import ParsedRequest, parse_request
+from gateway.openai import LARGE, ParsedRequest, parse_request
 from gateway.ratelimit import RateLimiter
 from gateway.settings import Settings
 from gateway.tenants import Tenant, Tenants
@@ -160,14 +160,17 @@ class Gate:
         self.in_flight += 1
         self.metrics.in_flight.inc()
         ctx._admitted = 1
-        parsed = ctx.parsed = parse_request(kind, ctx.body)
+        if len(ctx.body) > LARGE:  # parsing and checking grow with the body: not on the event loop
+            parsed = ctx.parsed = await asyncio.to_thread(parse_request, kind, ctx.body)
+        else:
+            parsed = ctx.parsed = parse_request(kind, ctx.body)
         ctx.model = parsed.model
         tenant = ctx.tenant
         tenant.check_model(parsed.model)
         cap = tenant.policy.max_concurrency
         if cap is not None and tenant.in_flight >= cap:
             raise RateLimited(f"{tenant.in_flight} requests of this API key are in flight (at most {cap})", code="concurrency_limit_exceeded", retry_after=1.0)
-        ctx.token_estimate = _estimate_tokens(parsed, self.settings)
+        ctx.token_estimate = _estimate_tokens(parsed, self.settings)  # len() of the texts: cheap at any size
         quota = await self.limiter.check(tenant, ctx.token_estimate)
         if quota is not None:
             ctx.rate_headers = quota.headers

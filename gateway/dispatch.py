@@ -21,6 +21,7 @@ closed (its upstream request cancelled). A client that leaves meanwhile closes b
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -82,9 +83,12 @@ class Dispatcher:
         fleet = self.fleet
         table = fleet.table
         ip, location = locate_client(table, fleet.geo, peer, headers)
-        request = request_from_openai(
-            parsed.data, headers, fleet.routing, client_ip=ip, location=location, tenant_budget_ms=budget_ms, cache_hit=cache_hit
+        features = functools.partial(
+            request_from_openai,
+            parsed.data, headers, fleet.routing, client_ip=ip, location=location, tenant_budget_ms=budget_ms, cache_hit=cache_hit,
         )
+        # the affinity key hashes the leading messages: on a thread when they are large
+        request = await asyncio.to_thread(features) if parsed.large else features()
         try:
             return decide(request, table, fleet.health, time.monotonic(), edge=fleet.edge_stats(), rng=self.rng)
         except UnknownModel:

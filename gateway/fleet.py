@@ -308,7 +308,8 @@ class Fleet:
         sent_at = now
         feed.sent(upstream.url, sent_at)
         try:
-            response = await upstream.request(parsed.kind, forward, parsed.body, left if parsed.stream else None)
+            body = await parsed.encoded()
+            response = await upstream.request(parsed.kind, forward, body, left if parsed.stream else None)
         except BaseException as exc:
             feed.not_opened(upstream.url, exc, sent_at, time.monotonic())
             raise

@@ -8,6 +8,7 @@ unchanged unless a field has to be rewritten (``with_fields``).
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import orjson
@@ -16,28 +17,43 @@ from edge_engine.errors import InvalidRequestError
 from edge_engine.openai_fields import check_request
 from gateway.errors import InvalidRequest
 
-__all__ = ["CHAT", "COMPLETION", "ParsedRequest", "kind_of", "parse_request"]
+__all__ = ["CHAT", "COMPLETION", "LARGE", "ParsedRequest", "kind_of", "parse_request"]
 
 CHAT = "chat"
 COMPLETION = "completion"
 
 
-class ParsedRequest:
-    __slots__ = ("kind", "data", "body", "model", "stream", "include_usage")
+LARGE = 64 * 1024  # bytes of body beyond which the work that grows with it goes to a thread
 
-    def __init__(self, kind: str, data: dict[str, Any], body: bytes) -> None:
+
+class ParsedRequest:
+    __slots__ = ("kind", "data", "_body", "size", "model", "stream", "include_usage")
+
+    def __init__(self, kind: str, data: dict[str, Any], body: bytes | None, size: int) -> None:
         self.kind = kind
         self.data = data
-        self.body = body
+        self._body = body  # None: rewritten, serialised when it is sent (``encoded``)
+        self.size = size  # bytes of the body the client sent
         self.model: str = data["model"]
         self.stream: bool = data.get("stream") is True
         options = data.get("stream_options")
         self.include_usage = bool(isinstance(options, dict) and options.get("include_usage"))
 
+    @property
+    def large(self) -> bool:
+        """Whether work that grows with this body (hashing, serialising) belongs on a thread,
+        not on the event loop."""
+        return self.size > LARGE
+
     def with_fields(self, **fields: Any) -> ParsedRequest:
-        """A copy with fields rewritten (and the body re-serialised)."""
-        data = {**self.data, **fields}
-        return ParsedRequest(self.kind, data, orjson.dumps(data))
+        """A copy with fields rewritten (its body serialised when it is sent)."""
+        return ParsedRequest(self.kind, {**self.data, **fields}, None, self.size)
+
+    async def encoded(self) -> bytes:
+        """The body to send: the client's bytes unchanged, or the rewritten fields."""
+        if self._body is None:
+            self._body = await asyncio.to_thread(orjson.dumps, self.data) if self.large else orjson.dumps(self.data)
+        return self._body
 
 
 def kind_of(data: Any) -> str:
@@ -69,4 +85,4 @@ def parse_request(kind: str | None, body: bytes) -> ParsedRequest:
         check_request(kind, data)  # the engine's rules: one validator for both
     except InvalidRequestError as exc:
         raise InvalidRequest(exc.message, param=exc.param, code=exc.code) from None
-    return ParsedRequest(kind, data, body)
+    return ParsedRequest(kind, data, body, len(body))

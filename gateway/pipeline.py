@@ -10,6 +10,7 @@ how it was found. The caller relays it (``gateway.relay``) and closes it, always
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import orjson
@@ -74,7 +75,10 @@ class Pipeline:
         lookup: Lookup | None = None
         layer = self.cache
         if layer.enabled:
-            lookup = layer.plan(parsed, ctx.tenant.name, ctx.headers)
+            if parsed.large:  # hashing the key grows with the body: not on the event loop
+                lookup = await asyncio.to_thread(layer.plan, parsed, ctx.tenant.name, ctx.headers)
+            else:
+                lookup = layer.plan(parsed, ctx.tenant.name, ctx.headers)
             answer.x_cache = BYPASS
             if lookup.plan.lookup:
                 entry = await layer.get(lookup)

@@ -161,3 +161,21 @@ async def test_tiered_keeps_working_without_redis() -> None:
         assert cache.back.metrics.counts["errors"] >= 1
     finally:
         await cache.close()
+
+
+async def test_a_cancelled_probe_does_not_keep_the_circuit_open(silent_server: str) -> None:
+    """Clients that give up while the half-open probe is under way must not leave the
+    circuit open for good: the next call probes again."""
+    cache = RedisCache(silent_server, timeout=5.0, cooldown=0.05)
+    try:
+        cache.circuit.failure()
+        await asyncio.sleep(0.1)  # half-open: the next call is the probe
+        probe = asyncio.create_task(cache.get("k"))
+        await asyncio.sleep(0.1)
+        probe.cancel()  # the client went away while the probe waited on Redis
+        with pytest.raises(asyncio.CancelledError):
+            await probe
+        assert cache.circuit.state == "half-open"
+        assert cache.circuit.allow()  # a new call may probe
+    finally:
+        await cache.close()

@@ -316,3 +316,45 @@ async def test_unreachable_redis_falls_back_to_in_process() -> None:
         assert await task == CHUNKS[:2]
     finally:
         await sf.close()
+
+
+async def test_a_leader_that_cannot_write_to_redis_releases_remote_followers_at_once(
+    redis_url: str, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a Redis restart the leader's writer may meet a stale connection: remote
+    followers must not wait for its lock to expire (lock_ttl), they go upstream at once."""
+    a = SingleFlight(redis_url, namespace=namespace, lock_ttl=10.0, timeout=0.5)
+    b = SingleFlight(redis_url, namespace=namespace, lock_ttl=10.0, timeout=0.5)
+    try:
+        await _leader_loses_redis(a, b, monkeypatch)
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def _leader_loses_redis(a: SingleFlight, b: SingleFlight, monkeypatch: pytest.MonkeyPatch) -> None:
+    leader = await a.join("k")
+    follower = await b.join("k")
+    assert leader.is_leader and not follower.is_leader
+    real_pipeline = a._redis.pipeline
+    broken = {"left": 1}
+
+    def pipeline(*args, **kwargs):
+        pipe = real_pipeline(*args, **kwargs)
+        if broken["left"]:
+            broken["left"] -= 1
+
+            async def fail():
+                raise redis.ConnectionError("Connection closed by server.")
+
+            pipe.execute = fail
+        return pipe
+
+    monkeypatch.setattr(a._redis, "pipeline", pipeline)
+    task = asyncio.create_task(collect(follower))
+    started = time.perf_counter()
+    await leader.publish(CHUNKS[0])
+    with pytest.raises(FlightAborted):
+        await asyncio.wait_for(task, 5.0)
+    assert time.perf_counter() - started < 2.0  # not the lock's 10 s
+    await leader.release(None)

@@ -3,6 +3,7 @@ tiny random model) to a central cluster (a fake), on both completion APIs."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import httpx
@@ -82,3 +83,29 @@ def test_an_auto_request_no_target_could_ever_serve_is_the_clients_error(gateway
     response = httpx.post(gw.url + "/v1/chat/completions", json=body, timeout=30)
     assert response.status_code == 400, response.text  # not a 503 to retry forever
     assert response.json()["error"]["param"] == "max_tokens" and "retry-after" not in response.headers
+
+
+def test_a_huge_prompt_does_not_stall_the_event_loop(gateways, tiny_model):
+    """A prompt of several megabytes (under max_body_bytes) for the edge engine: parsing,
+    hashing and tokenising never run on the event loop, and what cannot fit is refused."""
+    gw = gateways({"edge": {**EDGE, "model": tiny_model}, "cache": {"backend": "memory"}})
+    huge = {"model": "tiny", "messages": [{"role": "user", "content": "word " * 780_000}], "temperature": 0}
+    results = []
+
+    def ask() -> None:
+        results.append(httpx.post(gw.url + "/v1/chat/completions", json=huge, timeout=60))
+
+    threads = [threading.Thread(target=ask) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    slowest = 0.0
+    while any(t.is_alive() for t in threads):
+        started = time.monotonic()
+        assert httpx.get(gw.url + "/healthz", timeout=10).status_code == 200
+        slowest = max(slowest, time.monotonic() - started)
+        time.sleep(0.02)
+    for thread in threads:
+        thread.join()
+    assert [r.status_code for r in results] == [400, 400]
+    assert results[0].json()["error"]["code"] == "context_length_exceeded"
+    assert slowest < 0.5, f"/healthz took {slowest:.2f} s while the huge prompts were handled"
