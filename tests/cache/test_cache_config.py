@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pydantic
 import pytest
 
@@ -23,7 +25,7 @@ def test_defaults_are_the_embedded_memory_cache() -> None:
 
 
 def test_every_field_has_a_default_and_a_comment() -> None:
-    source = open(cache.config.__file__).read()
+    source = Path(cache.config.__file__).read_text()
     for name, field in CacheConfig.model_fields.items():
         assert not field.is_required(), name
         line = next(i for i, l in enumerate(source.splitlines()) if l.strip().startswith(f"{name}:"))
