@@ -42,7 +42,7 @@ from gateway.observability import Metrics
 from gateway.openai import ParsedRequest
 from gateway.queueing import QueueDeadline
 from gateway.replies import Reply
-from routing import NoRoute, RouteDecision, Target, TargetKind, UnknownModel, decide, locate_client, request_from_openai
+from routing import NoRoute, RouteDecision, Target, UnknownModel, decide, locate_client, request_from_openai
 from routing.config import AUTO, EDGE
 
 __all__ = ["Dispatcher", "HedgedReply", "Opened"]

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from cache.circuit import Circuit
 from cache.redis import REDIS_FAILURES, connect
-from gateway.errors import Overloaded, RateLimited
+from gateway.errors import Overloaded
 from gateway.observability import Metrics
 from gateway.settings import RateLimitSettings
 from gateway.tenants import Tenant

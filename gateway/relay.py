@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import orjson
 
 from cache import is_usage_chunk
-from gateway.errors import GatewayError, Overloaded, UpstreamProtocolError, UpstreamReadTimeout, error_body
+from gateway.errors import GatewayError, Overloaded, UpstreamProtocolError, UpstreamReadTimeout
 from gateway.upstream.base import Body
 
 if TYPE_CHECKING:  # annotations only: the pipeline imports this module

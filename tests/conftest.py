@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+import ipaddress
 import os
 import subprocess
 import sys
@@ -10,10 +12,15 @@ import time
 from pathlib import Path
 
 import httpx
+import orjson
 import pytest
 import redis
 import uvicorn
 import yaml
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
 from gateway.app import create_app
 from gateway.settings import Settings
@@ -210,3 +217,38 @@ def private_redis(tmp_path):
     if proc.poll() is None:
         proc.kill()
         proc.wait()
+
+
+@pytest.fixture(scope="session")
+def certificate(tmp_path_factory) -> tuple[str, str]:
+    """A self-signed certificate (its own CA) for 127.0.0.1: (certfile, keyfile)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    folder = tmp_path_factory.mktemp("tls")
+    certfile, keyfile = folder / "cert.pem", folder / "key.pem"
+    certfile.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    keyfile.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    return str(certfile), str(keyfile)
+
+
+def ws_answer(ws) -> list[dict]:
+    """The messages of one WebSocket answer, up to its ``done`` or ``error``."""
+    messages = []
+    while True:
+        message = orjson.loads(ws.recv(timeout=10))
+        messages.append(message)
+        if message.get("type") in ("done", "error"):
+            return messages

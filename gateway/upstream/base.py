@@ -18,7 +18,7 @@ import ssl as ssl_module
 
 from gateway.errors import PayloadTooLarge, UpstreamConnectError, UpstreamReadTimeout
 
-__all__ = ["Body", "Origin", "UpstreamResponse", "Pool", "Timeouts", "connect", "head_timeout", "wait_closed"]
+__all__ = ["Body", "Origin", "UpstreamResponse", "Pool", "Timeouts", "connect", "head_timeout", "rewarm_soon", "wait_closed"]
 
 
 class Timeouts:
@@ -258,6 +258,20 @@ async def connect(
     except (OSError, ssl_module.SSLError) as exc:
         raise UpstreamConnectError(f"cannot connect to {origin}: {exc}") from None
     return protocol
+
+
+def rewarm_soon(pool) -> None:
+    """Re-open the pool's warm connections shortly (``pool.warm()``), in a task the pool
+    keeps (``pool._tasks``) and cancels when it closes: servers close idle keep-alives, and
+    a GOAWAY or a lost connection must not leave the pool below ``warm_connections``."""
+    task = pool._loop.create_task(_rewarm(pool))
+    pool._tasks.add(task)
+    task.add_done_callback(pool._tasks.discard)
+
+
+async def _rewarm(pool) -> None:
+    await asyncio.sleep(0.05)
+    await pool.warm()
 
 
 async def wait_closed(connections, timeout: float = 1.0) -> None:

@@ -26,7 +26,7 @@ from gateway.errors import (
     UpstreamConnectError,
     UpstreamProtocolError,
 )
-from gateway.upstream.base import Body, Origin, Timeouts, UpstreamResponse, connect, head_timeout, wait_closed
+from gateway.upstream.base import Body, Origin, Timeouts, UpstreamResponse, connect, head_timeout, rewarm_soon, wait_closed
 
 __all__ = ["H1Pool"]
 
@@ -328,14 +328,7 @@ class H1Pool:
                 waiter.set_result(None)
                 break
         if len(self._all) + self._opening < self._warm:
-            # keep the warm connections warm (servers close idle keep-alives after a few seconds)
-            task = self._loop.create_task(self._rewarm())
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-
-    async def _rewarm(self) -> None:
-        await asyncio.sleep(0.05)
-        await self.warm()
+            rewarm_soon(self)
 
 
 def _pool_timeout(waiter: asyncio.Future, timeout: float) -> None:

@@ -29,7 +29,7 @@ from gateway.errors import (
     UpstreamProtocolError,
     UpstreamReadTimeout,
 )
-from gateway.upstream.base import Body, Origin, Timeouts, UpstreamResponse, connect, head_timeout, wait_closed
+from gateway.upstream.base import Body, Origin, Timeouts, UpstreamResponse, connect, head_timeout, rewarm_soon, wait_closed
 
 __all__ = ["H2Pool"]
 
@@ -488,13 +488,7 @@ class H2Pool:
             return
         self._stream_done(conn)
         if not self._closed and len(self._conns) + self._connecting < self._warm:
-            task = self._loop.create_task(self._rewarm())
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-
-    async def _rewarm(self) -> None:
-        await asyncio.sleep(0.05)
-        await self.warm()
+            rewarm_soon(self)
 
 
 def _wake(waiter: asyncio.Future) -> None:

@@ -29,7 +29,7 @@ from cache import CacheConfig
 from gateway.caching import CacheLayer, Recorder
 from gateway.openai import parse_request
 from gateway.relay import _take_usage
-from tests.conftest import ROOT, GatewayProcess, cluster
+from tests.conftest import ROOT, GatewayProcess, cluster, ws_answer
 
 
 CHAT_PATH = "/v1/chat/completions"
@@ -322,12 +322,7 @@ def test_websocket_hit_and_miss(memory_gw):
 
     def ask(ws) -> list[dict]:
         ws.send(orjson.dumps(body).decode())
-        messages = []
-        while True:
-            message = orjson.loads(ws.recv(timeout=10))
-            messages.append(message)
-            if message.get("type") in ("done", "error"):
-                return messages
+        return ws_answer(ws)
 
     with ws_connect(ws_url) as ws:
         first = ask(ws)

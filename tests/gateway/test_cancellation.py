@@ -155,10 +155,8 @@ def test_websocket_close_cancels_the_upstream(upstreams, gateways, protocol):
     assert wait_for(lambda: gw.state.gate.in_flight == 0)
 
 
-def test_sigterm_drains_a_live_stream(upstreams, gateway_processes):
-    fake = upstreams(tokens=40, delay=0.05)
-    gw = gateway_processes({"clusters": [cluster(fake)], "limits": {"drain_timeout_s": 20}})
-    result: dict = {}
+def stream_in_background(gw, result: dict) -> threading.Thread:
+    """Read a stream from ``gw`` on a thread; its whole body lands in ``result["body"]``."""
 
     def stream() -> None:
         with httpx.stream("POST", gw.url + "/v1/chat/completions", json={**CHAT, "stream": True}, timeout=30) as r:
@@ -166,6 +164,14 @@ def test_sigterm_drains_a_live_stream(upstreams, gateway_processes):
 
     thread = threading.Thread(target=stream)
     thread.start()
+    return thread
+
+
+def test_sigterm_drains_a_live_stream(upstreams, gateway_processes):
+    fake = upstreams(tokens=40, delay=0.05)
+    gw = gateway_processes({"clusters": [cluster(fake)], "limits": {"drain_timeout_s": 20}})
+    result: dict = {}
+    thread = stream_in_background(gw, result)
     assert wait_for(lambda: fake.requests and fake.requests[-1].chunks_sent >= 2)
     gw.proc.send_signal(signal.SIGTERM)
     time.sleep(0.3)
@@ -182,13 +188,7 @@ def test_a_stream_cut_by_the_drain_timeout_ends_with_an_error_event_and_done(ups
     fake = upstreams(tokens=200, delay=0.05)  # 10 s of tokens
     gw = gateway_processes({"clusters": [cluster(fake)], "limits": {"drain_timeout_s": 1}})
     result: dict = {}
-
-    def stream() -> None:
-        with httpx.stream("POST", gw.url + "/v1/chat/completions", json={**CHAT, "stream": True}, timeout=30) as r:
-            result["body"] = b"".join(r.iter_bytes())
-
-    thread = threading.Thread(target=stream)
-    thread.start()
+    thread = stream_in_background(gw, result)
     assert wait_for(lambda: fake.requests and fake.requests[-1].chunks_sent >= 2)
     gw.proc.send_signal(signal.SIGTERM)
     thread.join(30)

@@ -9,19 +9,10 @@ import httpx
 import orjson
 from websockets.sync.client import connect as ws_connect
 
-from tests.conftest import cluster
+from tests.conftest import cluster, ws_answer
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}]}
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
-
-
-def read_answer(ws) -> list[dict]:
-    messages = []
-    while True:
-        message = orjson.loads(ws.recv(timeout=10))
-        messages.append(message)
-        if message.get("type") in ("done", "error"):
-            return messages
 
 
 def metric(gw, name: str) -> str:
@@ -36,9 +27,9 @@ def test_websocket_requests_are_counted_in_flight_and_keep_the_clients_ids(upstr
         ws.send(orjson.dumps(CHAT).decode())
         orjson.loads(ws.recv(timeout=10))  # the first chunk: the request is in flight now
         assert "edgegw_in_flight_requests 1.0" in metric(gw, "edgegw_in_flight_requests")
-        assert read_answer(ws)[-1]["type"] == "done"
+        assert ws_answer(ws)[-1]["type"] == "done"
         ws.send(orjson.dumps(CHAT).decode())
-        assert read_answer(ws)[-1]["type"] == "done"
+        assert ws_answer(ws)[-1]["type"] == "done"
     first, second = fake.requests
     assert first.headers["x-request-id"] == "client-id-7"
     assert second.headers["x-request-id"] == "client-id-7.2"  # one id per request on the socket
@@ -55,7 +46,7 @@ def test_websocket_messages_sent_ahead_are_all_answered(upstreams, gateways):
     with ws_connect(gw.url.replace("http", "ws") + "/v1/ws") as ws:
         for i in range(count):
             ws.send(orjson.dumps({**CHAT, "messages": [{"role": "user", "content": f"q{i}"}]}).decode())
-        ends = [read_answer(ws)[-1]["type"] for _ in range(count)]
+        ends = [ws_answer(ws)[-1]["type"] for _ in range(count)]
     assert ends == ["done"] * count
     assert [r.body["messages"][0]["content"] for r in fake.requests] == [f"q{i}" for i in range(count)]
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import datetime
-import ipaddress
 import socket
 import time
 
@@ -12,10 +10,6 @@ import httpx
 import openai
 import orjson
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from gateway.errors import UpstreamProtocolError, UpstreamReadTimeout
 from gateway.relay import DONE, EventReader, sse_event, sse_events, sse_payloads
@@ -215,32 +209,6 @@ def test_models_discovered_when_not_configured(upstreams, gateways):
     gw = gateways({"clusters": [{"name": "found", "endpoints": [{"url": fake.url}]}]})
     assert [m["id"] for m in httpx.get(gw.url + "/v1/models").json()["data"]] == ["alpha", "beta"]
     assert httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "model": "beta"}).status_code == 200
-
-
-@pytest.fixture(scope="module")
-def certificate(tmp_path_factory):
-    """A self-signed certificate for 127.0.0.1."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(days=1))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-        .sign(key, hashes.SHA256())
-    )
-    folder = tmp_path_factory.mktemp("tls")
-    certfile, keyfile = folder / "cert.pem", folder / "key.pem"
-    certfile.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    keyfile.write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    )
-    return str(certfile), str(keyfile)
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
