@@ -46,7 +46,7 @@ from gateway.errors import (
     send_error,
 )
 from gateway.forwarding import HeaderPolicy
-from gateway.observability import Metrics, Timing
+from gateway.observability import Metrics, Observer, Timing
 from gateway.openai import LARGE, ParsedRequest, parse_request
 from gateway.ratelimit import RateLimiter
 from gateway.settings import Settings
@@ -56,7 +56,6 @@ from routing import estimate_prompt_tokens
 __all__ = ["AdmissionApp", "Gate", "RequestContext", "read_body", "request_id_of"]
 
 logger = logging.getLogger("edgegw")
-access_log = logging.getLogger("edgegw.access")
 
 _SAFE_ID = re.compile(rb"^[A-Za-z0-9._:\-]{1,128}$")
 
@@ -74,7 +73,7 @@ class RequestContext:
     __slots__ = (
         "request_id", "timing", "arrival", "raw_headers", "headers", "peer", "tenant", "forward", "body",
         "parsed", "api", "model", "via", "status", "gone", "finished", "rate_headers", "token_estimate",
-        "usage_tokens", "send_timeout", "stalled", "_admitted",
+        "usage_tokens", "send_timeout", "stalled", "target_kind", "ttft", "tokens", "gaps", "prompt_tokens", "_admitted",
     )
 
     def __init__(self, scope: dict, request_id: bytes, api: str) -> None:
@@ -100,6 +99,11 @@ class RequestContext:
         self.usage_tokens: int | None = None  # the answer's real usage, when it said
         self.send_timeout = 60.0  # limits.send_timeout_s (gateway.relay.Stall)
         self.stalled = False  # the client accepted nothing for send_timeout: ended as if gone
+        self.target_kind = "none"  # what served it: edge | endpoint | cache | none
+        self.ttft: float | None = None  # seconds from arrival to the first relayed event
+        self.tokens = 0  # content events relayed (1 for a JSON answer)
+        self.gaps: list[float] = []  # seconds between relayed events
+        self.prompt_tokens = 0  # the prompt's size, estimated at admission
         self._admitted = 0  # what Gate.admit took: 1 the gateway's slot, 2 also the tenant's
 
     @property
@@ -121,11 +125,12 @@ class Gate:
     """The gateway's own protection: draining and the in-flight count, shared by every
     admission (HTTP request or WebSocket message)."""
 
-    __slots__ = ("settings", "metrics", "headers", "tenants", "limiter", "in_flight", "draining", "shedding_until")
+    __slots__ = ("settings", "metrics", "observer", "headers", "tenants", "limiter", "in_flight", "draining", "shedding_until")
 
-    def __init__(self, settings: Settings, metrics: Metrics) -> None:
+    def __init__(self, settings: Settings, metrics: Metrics, observer: Observer) -> None:
         self.settings = settings
         self.metrics = metrics
+        self.observer = observer
         self.headers = HeaderPolicy(settings.forward_headers.allow, settings.forward_headers.deny)
         self.tenants = Tenants(settings.auth, settings.tenants)
         self.limiter = RateLimiter(settings.rate_limits, metrics)
@@ -170,7 +175,7 @@ class Gate:
         cap = tenant.policy.max_concurrency
         if cap is not None and tenant.in_flight >= cap:
             raise RateLimited(f"{tenant.in_flight} requests of this API key are in flight (at most {cap})", code="concurrency_limit_exceeded", retry_after=1.0)
-        ctx.token_estimate = _estimate_tokens(parsed, self.settings)  # len() of the texts: cheap at any size
+        ctx.prompt_tokens, ctx.token_estimate = _estimate_tokens(parsed, self.settings)  # len() of the texts: cheap
         quota = await self.limiter.check(tenant, ctx.token_estimate)
         if quota is not None:
             ctx.rate_headers = quota.headers
@@ -186,8 +191,8 @@ class Gate:
         return parsed
 
     def done(self, ctx: RequestContext) -> None:
-        """Give back what ``admit`` took, settle the tenant's tokens, count the request and
-        write its access-log line."""
+        """Give back what ``admit`` took, settle the tenant's tokens, count the request, and
+        hand its stages to the observer (histograms, SLOs, diagnosis, access log)."""
         if ctx._admitted:
             self.in_flight -= 1
             self.metrics.in_flight.dec()
@@ -196,31 +201,21 @@ class Gate:
                 if ctx.usage_tokens is not None:
                     self.limiter.settle(ctx.tenant, ctx.usage_tokens - ctx.token_estimate)
             ctx._admitted = 0
-        tenant = ctx.tenant.name if ctx.tenant is not None else "-"
-        self.metrics.count(ctx.api, ctx.status, tenant)
+        self.metrics.count(ctx.api, ctx.status, ctx.tenant.name if ctx.tenant is not None else "-")
         if ctx.gone:
             self.metrics.client_disconnects.inc()
-        if self.settings.listen.access_log:
-            access_log.info(
-                "%s %s %s tenant=%s model=%s via=%s %.1fms",
-                ctx.request_id.decode(),
-                ctx.api,
-                ctx.status,
-                tenant,
-                ctx.model,
-                ctx.via,
-                ctx.timing.elapsed() * 1000,
-            )
+        self.observer.finished(ctx)
 
 
-def _estimate_tokens(parsed: ParsedRequest, settings: Settings) -> int:
-    """Tokens charged at admission: the prompt's characters / ``chars_per_token`` plus the
-    completion's ``max_tokens`` (or ``rate_limits.default_output_tokens``)."""
+def _estimate_tokens(parsed: ParsedRequest, settings: Settings) -> tuple[int, int]:
+    """(prompt tokens, tokens charged at admission): the prompt's characters /
+    ``chars_per_token``, plus the completion's ``max_tokens`` (or
+    ``rate_limits.default_output_tokens``) for the charge."""
     prompt, _ = estimate_prompt_tokens(parsed.data, settings.routing.policy.chars_per_token)
     out = parsed.data.get("max_completion_tokens") or parsed.data.get("max_tokens")
     if not isinstance(out, int) or isinstance(out, bool) or out < 0:
         out = settings.rate_limits.default_output_tokens
-    return prompt + out
+    return prompt, prompt + out
 
 
 class AdmissionApp:

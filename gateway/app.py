@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 
 from starlette.applications import Starlette
@@ -26,13 +27,15 @@ from starlette.routing import Route, WebSocketRoute
 from gateway.admission import AdmissionApp, Gate
 from gateway.caching import CacheLayer
 from gateway.dispatch import Dispatcher
-from gateway.endpoints import CompletionsApp, HealthzApp, MetricsApp, ModelsApp, ReadyzApp, WebSocketApp
+from gateway.diagnosis import Diagnosis
+from gateway.endpoints import CompletionsApp, HealthzApp, JSONApp, MetricsApp, ModelsApp, ReadyzApp, WebSocketApp
 from gateway.errors import error_body
 from gateway.fleet import Fleet
-from gateway.observability import Metrics
+from gateway.observability import Metrics, Observer
 from gateway.openai import CHAT, COMPLETION
 from gateway.pipeline import Pipeline
 from gateway.settings import Settings
+from gateway.slo import SLOs
 
 __all__ = ["Gateway", "GatewayApp", "create_app"]
 
@@ -45,8 +48,11 @@ class Gateway:
     def __init__(self, settings: Settings, metrics: Metrics | None = None) -> None:
         self.settings = settings
         self.metrics = metrics = metrics or Metrics()
-        self.gate = Gate(settings, metrics)
         self.fleet = Fleet(settings, metrics)
+        self.slos = SLOs(settings.slo)
+        self.diagnosis = Diagnosis(queue_of=self.fleet.queues.get, rtt_of=self.fleet.rtt_of)
+        self.observer = Observer(metrics, self.slos, self.diagnosis, settings.listen.access_log)
+        self.gate = Gate(settings, metrics, self.observer)
         self.dispatcher = Dispatcher(self.fleet, self.gate, metrics)
         self.cache = CacheLayer(settings.cache, metrics.registry)
         self.pipeline = Pipeline(self.dispatcher, self.cache, settings.limits.keepalive_interval_s)
@@ -55,6 +61,9 @@ class Gateway:
     async def start(self) -> None:
         await self.fleet.start()
         self.metrics.watch(self.fleet.gauges)
+        self.metrics.watch(self.slos.gauges)
+        self.metrics.watch(self.diagnosis_gauges)
+        await self.slos.start()
         await self.cache.start()
         self.started = True
         logger.info(
@@ -63,8 +72,25 @@ class Gateway:
             ", ".join(m for m, _ in self.fleet.models()) or "(being discovered)",
         )
 
+    def latency(self) -> dict:
+        """``GET /debug/latency``: per target, the last minute's stage percentiles, its queue and
+        the diagnosis; the objectives and their burn rates."""
+        targets = []
+        clusters = {url: upstream.cluster for url, upstream in self.fleet.upstreams.items()}
+        names = [*self.fleet.queues, *(t for t in self.diagnosis.targets() if t not in self.fleet.queues)]
+        for name in names:
+            kind = "edge" if name == "edge" else "endpoint"
+            targets.append({"name": name, "kind": kind, "cluster": clusters.get(name), **self.diagnosis.view(name)})
+        return {"time": time.time(), "targets": targets, "slo": self.slos.snapshot()}
+
+    def diagnosis_gauges(self):
+        for target in self.latency()["targets"]:
+            verdict = target["diagnosis"]["verdict"]
+            yield "edgegw_diagnosis", "The target's bottleneck diagnosis (1 for its current verdict).", {"target": target["name"], "verdict": verdict}, 1.0
+
     async def aclose(self) -> None:
         self.gate.draining = True
+        await self.slos.aclose()
         await self.cache.aclose()
         await self.gate.limiter.aclose()
         await self.fleet.aclose()
@@ -106,6 +132,7 @@ def create_app(settings: Settings, *, metrics: Metrics | None = None) -> Gateway
         Route("/healthz", HealthzApp(), methods=["GET"]),
         Route("/readyz", ReadyzApp(gateway), methods=["GET"]),
         Route("/metrics", MetricsApp(gateway.metrics), methods=["GET"]),
+        Route("/debug/latency", JSONApp(gateway.latency), methods=["GET"]),
         WebSocketRoute("/v1/ws", WebSocketApp(pipeline, gate, gateway.metrics)),
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: _http_error, 405: _http_error})

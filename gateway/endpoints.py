@@ -32,7 +32,7 @@ from gateway.pipeline import Answer, Pipeline
 from gateway.tenants import Tenant
 from gateway.relay import respond_json, respond_sse, respond_websocket, ws_error
 
-__all__ = ["CompletionsApp", "HealthzApp", "MetricsApp", "ModelsApp", "ReadyzApp", "WebSocketApp"]
+__all__ = ["CompletionsApp", "HealthzApp", "JSONApp", "MetricsApp", "ModelsApp", "ReadyzApp", "WebSocketApp"]
 
 _JSON = (b"content-type", b"application/json")
 _WS_QUEUE = 16  # WebSocket messages read ahead of the one being answered
@@ -54,6 +54,7 @@ class CompletionsApp:
             await self.pipeline.answer(ctx, parsed, answer)
             reply = answer.reply
             ctx.via = reply.label
+            ctx.target_kind = answer.target_kind
             series = self.metrics.series(parsed.model, reply.label)
             if reply.status >= 400 or not parsed.stream:
                 await respond_json(send, ctx, answer, series)
@@ -126,6 +127,7 @@ class WebSocketApp:
             ctx.timing.mark("admit")
             await self.pipeline.answer(ctx, parsed, answer)
             ctx.via = answer.reply.label
+            ctx.target_kind = answer.target_kind
             await respond_websocket(send, ctx, answer, self.metrics.series(parsed.model, answer.reply.label))
         except GatewayError as exc:
             failure = exc
@@ -225,6 +227,16 @@ class ReadyzApp:
             await _send_json(send, 200, {"status": "ready"})
         else:
             await _send_json(send, 503, {"status": "not ready"})
+
+
+class JSONApp:
+    """A small GET answering what ``read()`` returns, as JSON."""
+
+    def __init__(self, read) -> None:
+        self.read = read
+
+    async def __call__(self, scope, receive, send) -> None:
+        await _send_json(send, 200, self.read())
 
 
 class MetricsApp:

@@ -256,6 +256,12 @@ class Fleet:
         """Whether ``model`` might be served by a cluster whose models are not known yet."""
         return any(c.discovers and not c.models for c in self.clusters)
 
+    def rtt_of(self, endpoint: str) -> float | None:
+        """The health probes' measured round trip to ``endpoint`` (seconds), if any."""
+        if self.health is None or endpoint not in self.upstreams:
+            return None
+        return self.health.endpoint(endpoint).rtt_s
+
     def edge_stats(self) -> EdgeStats | None:
         return self.edge.stats() if self.edge is not None else None
 

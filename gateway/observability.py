@@ -26,7 +26,13 @@ from collections.abc import Callable, Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
-__all__ = ["Metrics", "RedactSecrets", "Sample", "Series", "Timing", "redact_logs"]
+from gateway.diagnosis import Diagnosis
+from gateway.diagnosis import Sample as DiagnosisSample
+from gateway.slo import SLOs, Outcome
+
+__all__ = ["Metrics", "Observer", "RedactSecrets", "Sample", "Series", "Timing", "redact_logs"]
+
+access_log = logging.getLogger("edgegw.access")
 
 # (metric name, help, labels, value): a gauge read from live state at scrape time
 Sample = tuple[str, str, dict[str, str], float]
@@ -151,7 +157,15 @@ class Metrics:
             ["reason", "priority"],
             registry=registry,
         )
+        self.stage = Histogram(
+            "edgegw_stage_seconds",
+            "Time a request spent in each stage (the Server-Timing stages, and first_token and decode for streams).",
+            ["stage", "target_kind"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
         self._counts: dict[tuple[str, int, str], object] = {}
+        self._stages: dict[tuple[str, str], object] = {}
 
     def count(self, api: str, status: int, tenant: str) -> None:
         """``requests{api, status, tenant}`` += 1, with the labelled child looked up once."""
@@ -160,6 +174,13 @@ class Metrics:
         if child is None:
             child = self._counts[key] = self.requests.labels(api, str(status), tenant)
         child.inc()
+
+    def stage_child(self, stage: str, target_kind: str):
+        key = (stage, target_kind)
+        child = self._stages.get(key)
+        if child is None:
+            child = self._stages[key] = self.stage.labels(stage, target_kind)
+        return child
 
     def watch(self, read: Callable[[], Iterable[Sample]]) -> None:
         """Export gauges computed by ``read`` at every scrape."""
@@ -218,3 +239,51 @@ def redact_logs(*loggers: str) -> None:
         for handler in logging.getLogger(name).handlers:
             if not any(isinstance(f, RedactSecrets) for f in handler.filters):
                 handler.addFilter(RedactSecrets())
+
+
+class Observer:
+    """Where a finished request's stage model goes: the stage histogram, the access log, the
+    SLOs and the per-target diagnosis (``gateway.slo``, ``gateway.diagnosis``). One call per
+    request, at its end (``Gate.done``)."""
+
+    def __init__(self, metrics: Metrics, slos: SLOs, diagnosis: Diagnosis, access_log: bool) -> None:
+        self.metrics = metrics
+        self.slos = slos
+        self.diagnosis = diagnosis
+        self.access_log = access_log
+        self._verdicts: dict[str, str] = {}
+
+    def finished(self, ctx) -> None:
+        """``ctx``: the request's ``gateway.admission.RequestContext``."""
+        timing = ctx.timing
+        total = timing.elapsed()
+        kind = ctx.target_kind
+        stages = {name: seconds for name, seconds, _ in timing.stages}
+        for name, seconds in stages.items():
+            self.metrics.stage_child(name, kind).observe(seconds)
+        self.metrics.stage_child("total", kind).observe(total)
+        tenant = ctx.tenant
+        priority = tenant.priority if tenant is not None else "-"
+        if ctx.status:
+            outcome = Outcome(ctx.status, ctx.ttft, total, ctx.tokens, priority, tenant.name if tenant else "-", ctx.model, kind)
+            self.slos.record(outcome, time.time())
+        if kind in ("edge", "endpoint") and ctx.status:
+            tpot = (total - ctx.ttft) / (ctx.tokens - 1) if ctx.ttft is not None and ctx.tokens > 1 else None
+            self.diagnosis.record(
+                ctx.via, kind, DiagnosisSample(time.monotonic(), stages, ctx.ttft, tpot, ctx.prompt_tokens, ctx.status < 500, ctx.gaps)
+            )
+        if self.access_log:
+            stage_text = ",".join(f"{name}:{seconds * 1000:.1f}" for name, seconds in stages.items())
+            ttft = "-" if ctx.ttft is None else f"{ctx.ttft * 1000:.1f}ms"
+            access_log.info(
+                "%s %s %s tenant=%s model=%s via=%s ttft=%s total=%.1fms stages=%s",
+                ctx.request_id.decode(),
+                ctx.api,
+                ctx.status,
+                tenant.name if tenant is not None else "-",
+                ctx.model,
+                ctx.via,
+                ttft,
+                total * 1000,
+                stage_text,
+            )

@@ -30,7 +30,9 @@ __all__ = ["Answer", "Pipeline"]
 class Answer:
     """A request's reply, with what the response headers say about how it was found."""
 
-    __slots__ = ("reply", "x_cache", "age", "route", "recorder", "flight", "ttft", "failed_mid_stream", "hide_usage")
+    __slots__ = (
+        "reply", "x_cache", "age", "route", "recorder", "flight", "ttft", "failed_mid_stream", "hide_usage", "target_kind",
+    )
 
     def __init__(self) -> None:
         self.reply: Reply | None = None
@@ -42,6 +44,7 @@ class Answer:
         self.ttft: float | None = None  # seconds from arrival to the first relayed event
         self.failed_mid_stream: GatewayError | None = None
         self.hide_usage = False  # the usage chunk was asked for on the client's behalf
+        self.target_kind = "none"  # what serves it: edge | endpoint | cache
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         headers = [(b"x-edgegw-route", self.route)]
@@ -86,6 +89,7 @@ class Pipeline:
                     timing.mark("cache", "hit")
                     answer.reply = layer.replay(entry, parsed)
                     answer.x_cache = HIT
+                    answer.target_kind = "cache"
                     answer.age = int(entry.age(time.time()))
                     answer.route = b"target=cache; model=" + parsed.model.encode("ascii", "replace") + b"; why=exact-response cache hit"
                     return answer
@@ -99,6 +103,7 @@ class Pipeline:
                     if followed is not None:
                         timing.mark("cache", "coalesced")
                         answer.reply = followed
+                        answer.target_kind = "cache"
                         answer.route = b"target=cache; model=" + parsed.model.encode("ascii", "replace") + b"; coalesced=1; why=an identical request is in flight"
                         return answer
                 else:
@@ -118,6 +123,7 @@ class Pipeline:
             sent = sent.with_fields(logprobs=0 if parsed.kind == COMPLETION else True)
         opened = await self.dispatcher.open(decision, sent, ctx)
         reply = answer.reply = opened.reply
+        answer.target_kind = opened.target.kind.value
         if opened.target.kind is TargetKind.EDGE:
             timing.engine(opened.queued)
         else:
@@ -132,6 +138,8 @@ class Pipeline:
         if cascade and reply.status == 200:
             answer.reply = None  # _cascade closes it
             answer.reply, note = await self._cascade(decision, parsed, reply, ctx)
+            if answer.reply.label != "edge":
+                answer.target_kind = "endpoint"  # escalated
             route += note
         answer.route = route
         if lookup is not None and lookup.plan.store:

@@ -104,6 +104,8 @@ class TargetQueue:
         self.preemptive = preemptive
         self.active = 0
         self.active_by_rank = [0] * _RANKS
+        self.arrivals = 0  # requests that asked for a slot, ever (the diagnosis's arrival rate)
+        self.completions = 0  # slots given back, ever (its service rate)
         self.service_s: float | None = None  # EWMA of how long a slot is held
         self.best_ttft: float | None = None  # adaptive: the best TTFT seen lately
         self._heaps: list[list] = [[] for _ in range(_RANKS)]  # (tag, seq, ticket) by class
@@ -150,6 +152,7 @@ class TargetQueue:
         ``Overloaded`` when ``max_queue`` requests are waiting already."""
         now = time.monotonic()
         rank = tenant.rank
+        self.arrivals += 1
         if self._can_start(rank) and not any(self._waiting_by_rank[: rank + 1]):
             return self._start(rank, now, 0.0)  # nobody of its class or better is waiting
         if self._waiting >= self.max_queue:
@@ -199,6 +202,7 @@ class TargetQueue:
     def _release(self, slot: Slot, ttft: float | None) -> None:
         now = time.monotonic()
         self.active -= 1
+        self.completions += 1
         self.active_by_rank[slot.rank] -= 1
         held = now - slot.acquired_at
         self.service_s = held if self.service_s is None else self.service_s + _SERVICE_ALPHA * (held - self.service_s)

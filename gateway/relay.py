@@ -164,8 +164,10 @@ async def measured(ctx: RequestContext, answer: Answer, series: Series) -> Async
     (its first token, its end); ``None`` after a quiet spell. When the reply breaks off, the
     recording is aborted, the failure reported, and the ``GatewayError`` raised."""
     reply, recorder = answer.reply, answer.recorder
-    start = ctx.timing.start
+    timing = ctx.timing
+    start = timing.start
     usage = answer.hide_usage or ctx.wants_usage
+    gaps = ctx.gaps
     chunks = 0
     last = 0.0
     while True:
@@ -175,6 +177,8 @@ async def measured(ctx: RequestContext, answer: Answer, series: Series) -> Async
             if recorder is not None:
                 await recorder.finish(False)
             reply.finish(False, chunks, time.monotonic())
+            ctx.tokens = chunks
+            timing.mark("decode" if chunks else "first_token")
             raise
         if events is None:
             yield None
@@ -183,14 +187,19 @@ async def measured(ctx: RequestContext, answer: Answer, series: Series) -> Async
             if recorder is not None:
                 await recorder.finish(True)
             reply.finish(True, chunks, time.monotonic())
+            ctx.tokens = chunks
+            timing.mark("decode")
             return
         now = time.perf_counter()
         if last:
-            series.gap.observe(now - last)
+            gap = now - last
+            series.gap.observe(gap)
+            gaps.append(gap)
         else:
             series.ttft.observe(now - start)
-            answer.ttft = now - start
+            answer.ttft = ctx.ttft = now - start
             reply.first_token(time.monotonic())
+            timing.mark("first_token")
         last = now
         chunks += 1
         if recorder is not None:
@@ -237,6 +246,8 @@ async def respond_json(send, ctx: RequestContext, answer: Answer, series: Series
     """A whole answer (non-streaming, or an error status from the backend) in one body."""
     reply = answer.reply
     data = await reply.read_body()
+    ctx.timing.mark("decode", "answer body")
+    ctx.tokens = 1
     ok = reply.status < 400
     if answer.recorder is not None:
         answer.recorder.body = data

@@ -35,6 +35,8 @@ __all__ = [
     "TenantSettings",
     "RateLimitSettings",
     "AdmissionSettings",
+    "ObjectiveSettings",
+    "SLOSettings",
     "Settings",
     "load_settings",
     "quickstart_settings",
@@ -213,6 +215,55 @@ class AdmissionSettings(_Model):
     max_queue: int = Field(1024, ge=0)  # requests waiting per target before 503
 
 
+def _seconds(value: str | float) -> float:
+    """``90``, ``"90s"``, ``"5m"``, ``"1h"``, ``"7d"`` -> seconds."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", str(value))
+    if match is None:
+        raise ValueError(f"not a duration: {value!r} (e.g. 90s, 5m, 1h)")
+    return float(match.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2)]
+
+
+class ObjectiveSettings(_Model):
+    name: str = Field(min_length=1)  # shown in metrics
+    metric: Literal["ttft", "tpot", "e2e", "availability"]  # what is measured
+    threshold_ms: float | None = Field(None, gt=0)  # a request is good at or under it (not for availability)
+    target: float = Field(gt=0, lt=1)  # the share of good requests promised, e.g. 0.99
+    priority: Priority | None = None  # only requests of this priority class
+    tenant: str | None = None  # only this tenant's requests
+    model: str | None = None  # only requests for this model (as asked)
+    target_kind: Literal["edge", "endpoint", "cache"] | None = None  # only requests served there
+
+    @model_validator(mode="after")
+    def _threshold(self) -> ObjectiveSettings:
+        if (self.metric == "availability") != (self.threshold_ms is None):
+            raise ValueError("threshold_ms is required for ttft, tpot and e2e, and meaningless for availability")
+        return self
+
+
+class BurnWindowSettings(_Model):
+    long: float  # the long window, e.g. 1h
+    short: float  # the short window, e.g. 5m
+    burn: float = Field(gt=0)  # alert while both windows burn the error budget this many times too fast
+
+    @field_validator("long", "short", mode="before")
+    @classmethod
+    def _duration(cls, value) -> float:
+        return _seconds(value)
+
+
+class SLOSettings(_Model):
+    objectives: tuple[ObjectiveSettings, ...] = ()  # none by default
+    # the multiwindow, multi-burn-rate pairs of the SRE workbook
+    windows: tuple[BurnWindowSettings, ...] = (
+        BurnWindowSettings(long=3600, short=300, burn=14.4),
+        BurnWindowSettings(long=21600, short=1800, burn=6),
+    )
+    redis_url: str | None = None  # count across replicas in this Redis (null: this process alone)
+    namespace: str = Field("edgegw", min_length=1)  # Redis key prefix
+
+
 class ForwardHeaderSettings(_Model):
     """Request headers passed upstream besides the hop-by-hop, credential and gateway ones,
     which never pass (gateway/forwarding.py)."""
@@ -231,6 +282,7 @@ class Settings(_Model):
     tenants: tuple[TenantSettings, ...] = ()  # who may ask, how much, and how urgently
     rate_limits: RateLimitSettings = RateLimitSettings()  # where the tenants' rate limits are counted
     admission: AdmissionSettings = AdmissionSettings()  # queueing and shedding in front of every target
+    slo: SLOSettings = SLOSettings()  # objectives, and the burn rates that page
     cache: CacheConfig = CacheConfig()  # exact-response cache (cache/config.py)
     routing: RoutingConfig = RoutingConfig()  # regions, geo, balancing, health, policy (routing/config.py)
 
