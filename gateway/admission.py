@@ -73,13 +73,15 @@ class RequestContext:
     __slots__ = (
         "request_id", "timing", "arrival", "raw_headers", "headers", "peer", "tenant", "forward", "body",
         "parsed", "api", "model", "via", "status", "gone", "finished", "rate_headers", "token_estimate",
-        "usage_tokens", "send_timeout", "stalled", "target_kind", "ttft", "tokens", "gaps", "prompt_tokens", "_admitted",
+        "usage_tokens", "send_timeout", "stalled", "target_kind", "ttft", "tokens", "gaps", "prompt_tokens",
+        "wall_start", "span", "client_spans", "trace_id", "_admitted",
     )
 
     def __init__(self, scope: dict, request_id: bytes, api: str) -> None:
         self.request_id = request_id
         self.timing = Timing()
         self.arrival = time.monotonic()  # deadlines count from here
+        self.wall_start = time.time_ns()  # spans start here
         self.raw_headers: list[tuple[bytes, bytes]] = scope["headers"]
         self.headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in self.raw_headers}
         client = scope.get("client")
@@ -104,6 +106,9 @@ class RequestContext:
         self.tokens = 0  # content events relayed (1 for a JSON answer)
         self.gaps: list[float] = []  # seconds between relayed events
         self.prompt_tokens = 0  # the prompt's size, estimated at admission
+        self.span = None  # the server span, when traces are on (gateway.tracing)
+        self.client_spans: list = []  # a span per target the request was sent to
+        self.trace_id = _trace_id(self.headers.get("traceparent"))  # for the access log
         self._admitted = 0  # what Gate.admit took: 1 the gateway's slot, 2 also the tenant's
 
     @property
@@ -125,12 +130,15 @@ class Gate:
     """The gateway's own protection: draining and the in-flight count, shared by every
     admission (HTTP request or WebSocket message)."""
 
-    __slots__ = ("settings", "metrics", "observer", "headers", "tenants", "limiter", "in_flight", "draining", "shedding_until")
+    __slots__ = (
+        "settings", "metrics", "observer", "tracing", "headers", "tenants", "limiter", "in_flight", "draining", "shedding_until",
+    )
 
-    def __init__(self, settings: Settings, metrics: Metrics, observer: Observer) -> None:
+    def __init__(self, settings: Settings, metrics: Metrics, observer: Observer, tracing=None) -> None:
         self.settings = settings
         self.metrics = metrics
         self.observer = observer
+        self.tracing = tracing  # gateway.tracing.Tracing when traces are on
         self.headers = HeaderPolicy(settings.forward_headers.allow, settings.forward_headers.deny)
         self.tenants = Tenants(settings.auth, settings.tenants)
         self.limiter = RateLimiter(settings.rate_limits, metrics)
@@ -231,6 +239,8 @@ class AdmissionApp:
         gate = self.gate
         limits = gate.settings.limits
         ctx = RequestContext(scope, request_id_of(scope["headers"]), self.api)
+        if gate.tracing is not None:
+            gate.tracing.begin(ctx)
         watcher = None
         try:
             gate.check_open()
@@ -264,6 +274,15 @@ class AdmissionApp:
             if watcher is not None:
                 watcher.cancel()
             gate.done(ctx)
+
+
+def _trace_id(traceparent: str | None) -> str | None:
+    """The trace id of a W3C ``traceparent`` (``00-<32 hex>-<16 hex>-<2 hex>``), if valid."""
+    if traceparent and len(traceparent) >= 55 and traceparent[2] == "-" and traceparent[35] == "-":
+        trace_id = traceparent[3:35]
+        if trace_id != "0" * 32 and all(c in "0123456789abcdef" for c in trace_id):
+            return trace_id
+    return None
 
 
 def _check_content_type(ctx: RequestContext) -> None:

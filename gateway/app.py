@@ -13,7 +13,9 @@ would be pure per-request cost on the hot path (BENCHMARKS.md).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import importlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -51,8 +53,13 @@ class Gateway:
         self.fleet = Fleet(settings, metrics)
         self.slos = SLOs(settings.slo)
         self.diagnosis = Diagnosis(queue_of=self.fleet.queues.get, rtt_of=self.fleet.rtt_of)
-        self.observer = Observer(metrics, self.slos, self.diagnosis, settings.listen.access_log)
-        self.gate = Gate(settings, metrics, self.observer)
+        # traces need the tracing extra (the OpenTelemetry SDK): imported only when asked for
+        tracing = None
+        if settings.tracing.endpoint:
+            tracing = importlib.import_module("gateway.tracing").Tracing(settings.tracing)
+        self.fleet.tracing = self.tracing = tracing
+        self.observer = Observer(metrics, self.slos, self.diagnosis, settings.listen.access_log, tracing)
+        self.gate = Gate(settings, metrics, self.observer, tracing)
         self.dispatcher = Dispatcher(self.fleet, self.gate, metrics)
         self.cache = CacheLayer(settings.cache, metrics.registry)
         self.pipeline = Pipeline(self.dispatcher, self.cache, settings.limits.keepalive_interval_s)
@@ -91,6 +98,8 @@ class Gateway:
     async def aclose(self) -> None:
         self.gate.draining = True
         await self.slos.aclose()
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)
         await self.cache.aclose()
         await self.gate.limiter.aclose()
         await self.fleet.aclose()

@@ -113,6 +113,8 @@ class WebSocketApp:
         gate = self.gate
         ctx = RequestContext(scope, request_id, "ws")
         ctx.tenant = tenant
+        if gate.tracing is not None:
+            gate.tracing.begin(ctx)
         answer = Answer()
         failure: BaseException | None = None
         socket.busy = True

@@ -129,6 +129,7 @@ class Fleet:
         self.health: HealthState | None = None
         self.feed: HealthFeed | None = None
         self.queues: dict[str, TargetQueue] = {}  # endpoint URL or "edge" -> its queue
+        self.tracing = None  # gateway.tracing.Tracing when traces are on
         self._tasks: set[asyncio.Task] = set()
 
     # -- lifecycle -------------------------------------------------------------------
@@ -305,11 +306,15 @@ class Fleet:
         if target.kind is TargetKind.EDGE:
             if self.edge is None:
                 raise NoHealthyUpstream("no edge engine in this gateway", retry_after=limits.retry_after_s)
+            if self.tracing is not None:
+                self.tracing.client(ctx, "edge", "edge", [])
             return await self.edge.reply(
                 parsed.kind, parsed.data, ctx.request_id.decode(), limits.keepalive_interval_s, ctx.tenant.rank, deadline
             )
         upstream = self.upstreams[target.endpoint]
         forward = ctx.forward if left is None else [*ctx.forward, (b"x-latency-budget-ms", b"%d" % math.floor(left * 1000))]
+        if self.tracing is not None:
+            forward = self.tracing.client(ctx, upstream.url, "endpoint", forward)
         feed = self.feed
         sent_at = now
         feed.sent(upstream.url, sent_at)

@@ -246,11 +246,12 @@ class Observer:
     SLOs and the per-target diagnosis (``gateway.slo``, ``gateway.diagnosis``). One call per
     request, at its end (``Gate.done``)."""
 
-    def __init__(self, metrics: Metrics, slos: SLOs, diagnosis: Diagnosis, access_log: bool) -> None:
+    def __init__(self, metrics: Metrics, slos: SLOs, diagnosis: Diagnosis, access_log: bool, tracing=None) -> None:
         self.metrics = metrics
         self.slos = slos
         self.diagnosis = diagnosis
         self.access_log = access_log
+        self.tracing = tracing  # gateway.tracing.Tracing when traces are on
         self._verdicts: dict[str, str] = {}
 
     def finished(self, ctx) -> None:
@@ -272,11 +273,13 @@ class Observer:
             self.diagnosis.record(
                 ctx.via, kind, DiagnosisSample(time.monotonic(), stages, ctx.ttft, tpot, ctx.prompt_tokens, ctx.status < 500, ctx.gaps)
             )
+        if self.tracing is not None:
+            self.tracing.finish(ctx, total)
         if self.access_log:
             stage_text = ",".join(f"{name}:{seconds * 1000:.1f}" for name, seconds in stages.items())
             ttft = "-" if ctx.ttft is None else f"{ctx.ttft * 1000:.1f}ms"
             access_log.info(
-                "%s %s %s tenant=%s model=%s via=%s ttft=%s total=%.1fms stages=%s",
+                "%s %s %s tenant=%s model=%s via=%s ttft=%s total=%.1fms trace=%s stages=%s",
                 ctx.request_id.decode(),
                 ctx.api,
                 ctx.status,
@@ -285,5 +288,6 @@ class Observer:
                 ctx.via,
                 ttft,
                 total * 1000,
+                ctx.trace_id or "-",
                 stage_text,
             )

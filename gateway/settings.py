@@ -37,6 +37,7 @@ __all__ = [
     "AdmissionSettings",
     "ObjectiveSettings",
     "SLOSettings",
+    "TracingSettings",
     "Settings",
     "load_settings",
     "quickstart_settings",
@@ -264,6 +265,42 @@ class SLOSettings(_Model):
     namespace: str = Field("edgegw", min_length=1)  # Redis key prefix
 
 
+class TracingSettings(_Model):
+    """OpenTelemetry traces over OTLP/HTTP. The standard environment variables win over the
+    keys here: ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` (or ``OTEL_EXPORTER_OTLP_ENDPOINT`` +
+    ``/v1/traces``), ``OTEL_SERVICE_NAME``, ``OTEL_TRACES_SAMPLER`` / ``_ARG``."""
+
+    endpoint: str | None = None  # OTLP/HTTP traces URL, e.g. http://collector:4318/v1/traces (null: no traces)
+    service_name: str = "edgegw"  # the service.name resource attribute
+    sample_ratio: float = Field(1.0, ge=0, le=1)  # share of new traces recorded (a sampled parent is followed)
+
+    @model_validator(mode="after")
+    def _environment(self) -> TracingSettings:
+        env = os.environ
+        endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+        if not endpoint and env.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+            endpoint = env["OTEL_EXPORTER_OTLP_ENDPOINT"].rstrip("/") + "/v1/traces"
+        ratio = self.sample_ratio
+        sampler = env.get("OTEL_TRACES_SAMPLER", "")
+        if sampler in ("always_off", "parentbased_always_off"):
+            ratio = 0.0
+        elif sampler in ("always_on", "parentbased_always_on"):
+            ratio = 1.0
+        elif sampler in ("traceidratio", "parentbased_traceidratio"):
+            try:
+                ratio = min(1.0, max(0.0, float(env.get("OTEL_TRACES_SAMPLER_ARG", "1"))))
+            except ValueError:
+                raise ValueError("OTEL_TRACES_SAMPLER_ARG must be a number in [0, 1]") from None
+        changes = {"sample_ratio": ratio}
+        if endpoint:
+            changes["endpoint"] = endpoint
+        if env.get("OTEL_SERVICE_NAME"):
+            changes["service_name"] = env["OTEL_SERVICE_NAME"]
+        for key, value in changes.items():
+            object.__setattr__(self, key, value)  # frozen: the environment is part of the value
+        return self
+
+
 class ForwardHeaderSettings(_Model):
     """Request headers passed upstream besides the hop-by-hop, credential and gateway ones,
     which never pass (gateway/forwarding.py)."""
@@ -283,6 +320,7 @@ class Settings(_Model):
     rate_limits: RateLimitSettings = RateLimitSettings()  # where the tenants' rate limits are counted
     admission: AdmissionSettings = AdmissionSettings()  # queueing and shedding in front of every target
     slo: SLOSettings = SLOSettings()  # objectives, and the burn rates that page
+    tracing: TracingSettings = Field(default_factory=TracingSettings)  # OpenTelemetry traces (the tracing extra)
     cache: CacheConfig = CacheConfig()  # exact-response cache (cache/config.py)
     routing: RoutingConfig = RoutingConfig()  # regions, geo, balancing, health, policy (routing/config.py)
 

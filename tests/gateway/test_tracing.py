@@ -1,0 +1,123 @@
+"""OpenTelemetry: spans exported over OTLP/HTTP to a local receiver that decodes the
+protobuf, the W3C trace context continued upstream with the gateway's own span as parent,
+and the trace id in the access log."""
+
+from __future__ import annotations
+
+import http.server
+import logging
+import threading
+import time
+
+import httpx
+import orjson
+import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from websockets.sync.client import connect as ws_connect
+
+from tests.conftest import cluster, ws_answer
+from tests.fakes import free_port
+
+CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
+TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
+CLIENT_SPAN = "b7ad6b7169203331"
+TRACEPARENT = f"00-{TRACE_ID}-{CLIENT_SPAN}-01"
+
+
+class Receiver:
+    """An OTLP/HTTP traces endpoint on 127.0.0.1: every span it is sent, decoded."""
+
+    def __init__(self) -> None:
+        self.spans: list = []
+        spans = self.spans
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802
+                body = self.rfile.read(int(self.headers["content-length"]))
+                request = ExportTraceServiceRequest()
+                request.ParseFromString(body)
+                for resource in request.resource_spans:
+                    service = {a.key: a.value.string_value for a in resource.resource.attributes}.get("service.name")
+                    for scope in resource.scope_spans:
+                        spans.extend((service, span) for span in scope.spans)
+                self.send_response(200)
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1/traces"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def wait_for(self, predicate, timeout: float = 10.0) -> list:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if predicate(self.spans):
+                return self.spans
+            time.sleep(0.05)
+        raise AssertionError(f"the receiver got {[s.name for _, s in self.spans]}")
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def receiver(monkeypatch):
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")  # export every 50 ms, not every 5 s
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "edge-gw-under-test")
+    r = Receiver()
+    yield r
+    r.close()
+
+
+def spans_of(spans, trace_id: str) -> dict:
+    return {span.name: span for _, span in spans if span.trace_id.hex() == trace_id}
+
+
+def test_a_request_is_one_trace_with_the_upstream_as_its_child(upstreams, gateways, receiver, caplog):
+    fake = upstreams(tokens=3)
+    gw = gateways({"clusters": [cluster(fake)], "tracing": {"endpoint": receiver.url}, "listen": {"access_log": True}})
+    with caplog.at_level(logging.INFO, logger="edgegw.access"):
+        response = httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "stream": True}, headers={"traceparent": TRACEPARENT})
+    assert response.status_code == 200
+    spans = receiver.wait_for(lambda s: "chat request" in spans_of(s, TRACE_ID))
+    by_name = spans_of(spans, TRACE_ID)
+    server, client = by_name["chat request"], by_name["send to endpoint"]
+    assert server.parent_span_id.hex() == CLIENT_SPAN  # continues the client's trace
+    assert client.parent_span_id == server.span_id
+    for stage in ("edgegw.admit", "edgegw.route", "edgegw.queue", "edgegw.pool", "edgegw.upstream", "edgegw.first_token", "edgegw.decode"):
+        assert by_name[stage].parent_span_id == server.span_id, stage
+        assert server.start_time_unix_nano <= by_name[stage].start_time_unix_nano <= by_name[stage].end_time_unix_nano <= server.end_time_unix_nano
+    assert all(service == "edge-gw-under-test" for service, _ in spans)
+    # the upstream got the client's trace id with the gateway's client span as its parent
+    seen = fake.requests[-1].headers["traceparent"]
+    assert seen.split("-")[1] == TRACE_ID and seen.split("-")[2] == client.span_id.hex() != CLIENT_SPAN
+    assert any(f"trace={TRACE_ID}" in r.getMessage() for r in caplog.records if r.name == "edgegw.access")
+
+
+def test_a_trace_is_started_when_the_client_sends_none_and_continued_over_websocket(upstreams, gateways, receiver):
+    fake = upstreams(tokens=2)
+    gw = gateways({"clusters": [cluster(fake)], "tracing": {"endpoint": receiver.url}})
+    httpx.post(gw.url + "/v1/chat/completions", json=CHAT)
+    started = fake.requests[-1].headers["traceparent"].split("-")[1]
+    receiver.wait_for(lambda s: "chat request" in spans_of(s, started))
+    with ws_connect(gw.url.replace("http", "ws") + "/v1/ws", additional_headers={"traceparent": TRACEPARENT}) as ws:
+        ws.send(orjson.dumps(CHAT).decode())
+        assert ws_answer(ws)[-1]["type"] == "done"
+    seen = fake.requests[-1].headers["traceparent"]
+    assert seen.split("-")[1] == TRACE_ID and seen.split("-")[2] != CLIENT_SPAN
+    spans = receiver.wait_for(lambda s: "ws request" in spans_of(s, TRACE_ID))
+    assert spans_of(spans, TRACE_ID)["send to endpoint"].span_id.hex() == seen.split("-")[2]
+
+
+def test_without_an_exporter_the_clients_trace_context_passes_unchanged(upstreams, gateways):
+    fake = upstreams()
+    gw = gateways({"clusters": [cluster(fake)]})
+    assert gw.state.tracing is None
+    httpx.post(gw.url + "/v1/chat/completions", json=CHAT, headers={"traceparent": TRACEPARENT, "tracestate": "vendor=1"})
+    assert fake.requests[-1].headers["traceparent"] == TRACEPARENT
+    assert fake.requests[-1].headers["tracestate"] == "vendor=1"
