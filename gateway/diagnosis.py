@@ -139,15 +139,15 @@ class Diagnosis:
     def _verdict(self, samples, stages, ttfts, tpots, gaps, queue, rates, target) -> tuple[str, str]:
         if len(samples) < MIN_SAMPLES or not ttfts:
             return "unknown", f"{len(samples)} requests in the last {WINDOW_S:.0f} s"
-        ttft = statistics.median(ttfts)
-        wait = statistics.median(stages.get("queue", [0.0]))
+        ttft = _quantile(ttfts, 0.5)
+        wait = _quantile(stages.get("queue", [0.0]), 0.5)
         arrivals, service = rates
         if queue is not None and queue.waiting and (
             (arrivals is not None and service is not None and arrivals > 1.1 * service) or wait >= 0.25 * ttft
         ):
             rate = "" if arrivals is None or service is None else f"arrivals {arrivals:.2f}/s > service {service:.2f}/s; "
             return "queue_saturated", f"{rate}{queue.waiting} waiting; queue wait p50 {wait * 1000:.0f} ms of TTFT p50 {ttft * 1000:.0f} ms"
-        pool = statistics.median(stages.get("pool", [0.0]))
+        pool = _quantile(stages.get("pool", [0.0]), 0.5)
         rtt = self._rtt_of(target) or 0.0
         if pool + rtt >= 0.5 * ttft:
             return "network_bound", f"connect p50 {pool * 1000:.0f} ms + round trip {rtt * 1000:.0f} ms of TTFT p50 {ttft * 1000:.0f} ms"
@@ -157,7 +157,7 @@ class Diagnosis:
             if r is not None and r >= 0.7:
                 return "prefill_bound", f"TTFT rises with prompt length (r = {r:.2f}) while queue wait p50 is {wait * 1000:.0f} ms"
         if tpots:
-            tpot = statistics.median(tpots)
+            tpot = _quantile(tpots, 0.5)
             if tpot > SLOW_TPOT_S:
                 return "decode_bound", f"time per output token p50 {tpot * 1000:.0f} ms (under {1 / SLOW_TPOT_S:.0f} tokens/s)"
         if len(gaps) >= MIN_SAMPLES:

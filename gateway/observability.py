@@ -270,8 +270,9 @@ class Observer:
             self.slos.record(outcome, time.time())
         if kind in ("edge", "endpoint") and ctx.status:
             tpot = (total - ctx.ttft) / (ctx.tokens - 1) if ctx.ttft is not None and ctx.tokens > 1 else None
+            ttft = ctx.ttft if ctx.ttft is not None else total  # a JSON answer's first token comes with its last
             self.diagnosis.record(
-                ctx.via, kind, DiagnosisSample(time.monotonic(), stages, ctx.ttft, tpot, ctx.prompt_tokens, ctx.status < 500, ctx.gaps)
+                ctx.via, kind, DiagnosisSample(time.monotonic(), stages, ttft, tpot, ctx.prompt_tokens, ctx.status < 500, ctx.gaps)
             )
         if self.tracing is not None:
             self.tracing.finish(ctx, total)

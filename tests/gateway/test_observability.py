@@ -184,6 +184,7 @@ def test_a_decode_bound_target(upstreams, gateways):
 
 async def _delaying_proxy(target_port: int, delay: float, ready: asyncio.Future, stop: asyncio.Event) -> None:
     """A TCP proxy that holds every chunk for ``delay`` seconds each way: a long wire."""
+    handlers: set[asyncio.Task] = set()
 
     async def pipe(reader, writer):
         try:
@@ -191,20 +192,28 @@ async def _delaying_proxy(target_port: int, delay: float, ready: asyncio.Future,
                 await asyncio.sleep(delay)
                 writer.write(data)
                 await writer.drain()
-        except (ConnectionError, asyncio.CancelledError):
+        except ConnectionError:
             pass
         finally:
             writer.close()
 
     async def handle(client_reader, client_writer):
-        await asyncio.sleep(delay)  # the handshake's round trip
-        upstream_reader, upstream_writer = await asyncio.open_connection("127.0.0.1", target_port)
-        await asyncio.gather(pipe(client_reader, upstream_writer), pipe(upstream_reader, client_writer))
+        handlers.add(asyncio.current_task())
+        try:
+            await asyncio.sleep(delay)  # the handshake's round trip
+            upstream_reader, upstream_writer = await asyncio.open_connection("127.0.0.1", target_port)
+            await asyncio.gather(pipe(client_reader, upstream_writer), pipe(upstream_reader, client_writer))
+        finally:
+            client_writer.close()
 
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
     ready.set_result(server.sockets[0].getsockname()[1])
     async with server:
         await stop.wait()
+    for task in handlers:
+        task.cancel()
+    await asyncio.gather(*handlers, return_exceptions=True)
+    await asyncio.sleep(0.05)  # the transports report themselves closed
 
 
 def test_a_network_bound_target(upstreams, gateways):
