@@ -37,6 +37,7 @@ class Reply:
     label = "-"  # metrics label: upstream URL, "edge", "cache"
     upstream: Upstream | None = None
     pool_wait = 0.0
+    protocol = ""  # what carried an upstream reply: http1 | http2 | http3
     first: bytes | None = None  # events read ahead (hedging waits for the first byte)
 
     async def read_body(self) -> bytes:
@@ -59,7 +60,7 @@ class UpstreamReply(Reply):
     hedge's loser, a client gone), so the endpoint's in-flight count never leaks."""
 
     __slots__ = (
-        "response", "upstream", "status", "headers", "label", "pool_wait", "first",
+        "response", "upstream", "status", "headers", "label", "pool_wait", "protocol", "first",
         "_reader", "_limit", "_health", "_started_at", "_ended",
     )
 
@@ -79,6 +80,7 @@ class UpstreamReply(Reply):
         self.headers = response.headers
         self.label = upstream.url
         self.pool_wait = response.pool_wait
+        self.protocol = response.protocol
         self.first = None
         self._reader = EventReader(response.body, ping, upstream.timeouts.read, max_event)
         self._limit = limit

@@ -22,6 +22,7 @@ import uvicorn
 
 from cache import CacheConfig
 from gateway.app import create_app
+from gateway.ingress import Server
 from gateway.settings import ConfigError, Settings, load_settings, quickstart_settings
 from routing import ClusterSpec, RouteDecision, RoutingError, Target, TargetKind
 from routing import explain as explain_route
@@ -227,7 +228,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         timeout_keep_alive=75,
         proxy_headers=False,  # X-Forwarded-For is honoured by routing, from trusted proxies only
     )
-    server = _DrainingServer(config)
+    server = _DrainingServer(config, listen, high_water=settings.limits.stream_buffer_bytes)
     server.run()
     return 0
 
@@ -257,9 +258,10 @@ def _override(settings: Settings, args: argparse.Namespace) -> Settings:
     return settings.model_copy(update={"listen": listen.model_copy(update=changes)})
 
 
-class _DrainingServer(uvicorn.Server):
+class _DrainingServer(Server):
     """On SIGTERM/SIGINT, mark the gateway draining (readyz 503, new requests refused)
-    while uvicorn stops accepting and lets in-flight streams finish; then exit 0."""
+    while uvicorn stops accepting and lets in-flight streams finish; then exit 0.
+    (``gateway.ingress.Server``: uvicorn's, plus the ``listen.tls`` / ``listen.http3`` listeners.)"""
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:

@@ -331,6 +331,7 @@ class Dispatcher:
         reply = UpstreamReply(
             response, upstream, health, now, limits.keepalive_interval_s, limits.max_event_bytes, limits.max_response_bytes
         )
+        self.metrics.upstream_requests.labels(upstream.url, response.protocol).inc()
         if response.status >= 500:
             self.metrics.upstream_errors.labels(upstream.url, f"http_{response.status}").inc()
             reply.end(False, 0)

@@ -239,7 +239,7 @@ async def answer(
         upstream_parsed = upstream_parsed.with_fields(logprobs=True)
     reply, target, attempts = await dispatcher.open(decision, upstream_parsed, forward, request_id)
     if reply.upstream is not None:
-        timing.upstream(reply.pool_wait, attempts)
+        timing.upstream(reply.pool_wait, attempts, reply.protocol)
     else:
         timing.mark("engine", "prompt rendered and tokenised")
     result.reply = reply

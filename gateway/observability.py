@@ -4,7 +4,8 @@ Stages (Server-Timing names):
   admit     request read and parsed, admission passed
   route     the routing decision
   cache     the cache lookup
-  pool      waiting for an upstream connection (connect included when a new one opened)
+  pool      waiting for an upstream connection (connect included when a new one opened);
+            its desc names the protocol that carried the request (http1 | http2 | http3)
   upstream  from sending the request to the upstream's response headers (its queue + prefill
             for a streaming server that sends headers with the first token)
   engine    the in-process edge engine: chat template and tokenisation (its time to the
@@ -50,10 +51,10 @@ class Timing:
         self._mark = now
         return now
 
-    def upstream(self, pool_wait: float, attempts: int) -> None:
+    def upstream(self, pool_wait: float, attempts: int, protocol: str = "") -> None:
         """Close the upstream stages: pool wait (connect included), then time to first byte."""
         now = time.perf_counter()
-        self.stages.append(("pool", pool_wait, None))
+        self.stages.append(("pool", pool_wait, protocol or None))
         desc = "first byte" if attempts == 1 else f"first byte, attempt {attempts}"
         self.stages.append(("upstream", now - self._mark - pool_wait, desc))
         self._mark = now
@@ -124,6 +125,12 @@ class Metrics:
             "edgegw_failovers", "Requests retried on another endpoint before the first byte.", registry=registry
         )
         self.hedges = Counter("edgegw_hedges", "Hedged requests (a second attempt started).", registry=registry)
+        self.upstream_requests = Counter(
+            "edgegw_upstream_requests",
+            "Requests answered by an endpoint, by the protocol that carried them (an http3 endpoint may fall back to http2).",
+            ["upstream", "protocol"],
+            registry=registry,
+        )
         self.hedge_wins = Counter("edgegw_hedge_wins", "Hedged requests won by the hedge.", registry=registry)
         self.client_disconnects = Counter(
             "edgegw_client_disconnects", "Requests whose client left before the end.", registry=registry
