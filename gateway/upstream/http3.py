@@ -130,6 +130,8 @@ class _H3Connection(QuicConnectionProtocol):
         self.is_closed = False
         self.is_draining = False  # no new streams (the server rejected one)
         self.last_received = self._loop.time()
+        self.sent_early = 0  # requests sent before the handshake completed (0-RTT)
+        self.early_data_accepted = False
 
     # -- asyncio.DatagramProtocol ------------------------------------------------------
 
@@ -189,6 +191,7 @@ class _H3Connection(QuicConnectionProtocol):
                 self._stream_done()
         elif kind is quic_events.HandshakeCompleted:
             self._pool.resumed += event.session_resumed
+            self.early_data_accepted = event.early_data_accepted
             if not self.connected.done():
                 self.connected.set_result(None)
         elif kind is quic_events.ConnectionTerminated:
@@ -274,6 +277,8 @@ class _H3Connection(QuicConnectionProtocol):
         if body:
             self._h3.send_data(stream_id, body, end_stream=True)
         self.transmit()
+        if not self.connected.done():
+            self.sent_early += 1
         sent_at = self._loop.time()
         handle = self._loop.call_later(timeouts.read, head_timeout, head, timeouts.read)
         watchdog = self._loop.call_later(timeouts.connect, self._check_alive, sent_at)
