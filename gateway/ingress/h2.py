@@ -13,7 +13,7 @@ Cancellation: RST_STREAM from the client, or the connection lost, is an
 ``http.disconnect`` for the app at once.
 
 Idle connections close after ``keep_alive`` seconds without a stream; ``shutdown()`` (the
-server draining) sends GOAWAY and closes once the last stream ends.
+server draining) refuses new streams and closes (GOAWAY) once the last one ends.
 """
 
 from __future__ import annotations
@@ -235,12 +235,16 @@ class H2ServerProtocol(asyncio.Protocol):
     # -- lifecycle -------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        """Graceful: GOAWAY now, close once the last stream ends."""
+        """Graceful: refuse new streams (REFUSED_STREAM: the client may retry them
+        elsewhere), let the running ones finish, then GOAWAY and close.
+
+        GOAWAY goes last because h2, on either side, moves its connection state machine to
+        CLOSED when GOAWAY is sent or received, after which the running streams' DATA is a
+        protocol error: an h2 client (the gateway's own HTTP/2 pool among them) would lose
+        them."""
         if self._closed or self._draining:
             return
         self._draining = True
-        self._h2.close_connection()
-        self._flush()
         if not self._streams:
             self._close()
 
@@ -255,6 +259,11 @@ class H2ServerProtocol(asyncio.Protocol):
 
     def _close(self) -> None:
         if not self._closed and self._transport is not None:
+            try:
+                self._h2.close_connection()  # GOAWAY
+                self._flush()
+            except h2.exceptions.H2Error:
+                pass
             self._closed = True
             self._transport.close()
 

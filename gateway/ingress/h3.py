@@ -80,6 +80,7 @@ class _H3ServerConnection(QuicConnectionProtocol):
         self._streams: dict[int, RequestStream] = {}
         self._blocked: dict[int, RequestStream] = {}  # writers waiting for acknowledgements
         self._draining = False
+        self._close_when_sent = False  # draining, and no stream left: close once all is acknowledged
         self._closing = False
         self._server: tuple[str, int] | None = None
         self._server_state.connections.add(self)
@@ -92,6 +93,8 @@ class _H3ServerConnection(QuicConnectionProtocol):
 
     def datagram_received(self, data: bytes, addr) -> None:
         super().datagram_received(data, addr)
+        if self._close_when_sent:
+            self._close_if_sent()
         if self._blocked:  # acknowledgements may have made room
             low = self._high_water // 2
             for stream_id, stream in list(self._blocked.items()):
@@ -194,7 +197,8 @@ class _H3ServerConnection(QuicConnectionProtocol):
         self._streams.pop(stream.id, None)
         self._blocked.pop(stream.id, None)
         if self._draining and not self._streams:
-            self._close()
+            self._close_when_sent = True
+            self._close_if_sent()
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -209,7 +213,16 @@ class _H3ServerConnection(QuicConnectionProtocol):
             self._quic.send_stream_data(control, encode_frame(FrameType.GOAWAY, encode_uint_var(last)))
             self._transmit_soon()
         if not self._streams:
-            self._close()
+            self._close_when_sent = True
+            self._close_if_sent()
+
+    def _close_if_sent(self) -> None:
+        """Close once every response has been acknowledged: CONNECTION_CLOSE would
+        discard stream data still queued or in flight."""
+        for stream_id, stream in self._quic._streams.items():
+            if stream_id % 4 == 0 and not stream.sender.is_finished:
+                return
+        self._close()
 
     def _close(self) -> None:
         if not self._closing:
