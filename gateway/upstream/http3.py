@@ -430,7 +430,10 @@ class H3Pool:
         """Open one connection now (streams multiplex on it), so the first request pays no handshake."""
         if self._warm and not self._conns and not self._closed:
             try:
-                await self._open()
+                if self._opening is not None:  # a request is opening one already
+                    await asyncio.shield(self._opening)
+                else:
+                    await self._open()
             except GatewayError as exc:
                 logger.warning("warm-up of %s (HTTP/3) failed: %s", self._origin, exc.message)
 
