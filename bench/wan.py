@@ -551,6 +551,17 @@ async def phase_c(central, fast_port: int, tmp: str, cafile: str, reps: int, sca
 
 def report(a: dict, b: dict, c: dict, command: str, reps: int, samples: int, streams: int, delay: float) -> str:
     out = [f"Command: `{command}`  ", f"Medians over {reps} repetition(s); latencies in ms.", ""]
+    if a:
+        out += report_a(a, samples)
+    if b:
+        out += report_b(b, streams, delay)
+    if c:
+        out += report_c(c)
+    return "\n".join(out)
+
+
+def report_a(a: dict, samples: int) -> list[str]:
+    out = []
     out.append(f"**A. Time to first token on a new connection** (median of {samples} samples per repetition; no loss)")
     out.append("")
     rtts = list(a)
@@ -569,6 +580,11 @@ def report(a: dict, b: dict, c: dict, command: str, reps: int, samples: int, str
                    f"connection; resumed with 0-RTT {ms(h2 - med(a[r]['h3-0rtt']))} ms = "
                    f"{(h2 - med(a[r]['h3-0rtt'])) / (float(r) / 1e3):.2f} RTT.")
     out.append("")
+    return out
+
+
+def report_b(b: dict, streams: int, delay: float) -> list[str]:
+    out = []
     out.append(f"**B. {streams} concurrent streams on one warm connection** ({TOKENS} tokens each, {delay * 1e3:.0f} ms apart)")
     out.append("")
     out.append("| RTT / loss | protocol | TTFT p50 / p99 | gap p50 / p99 | gap max | incomplete streams |")
@@ -584,6 +600,11 @@ def report(a: dict, b: dict, c: dict, command: str, reps: int, samples: int, str
                 f"| {ms(med([x['gap_max'] for x in rows]))} | {sum(x['bad'] for x in rows)} |"
             )
     out.append("")
+    return out
+
+
+def report_c(c: dict) -> list[str]:
+    out = []
     if c:
         out.append("**C. CPU of the hop** (no emulator; edge = the pool side, central = the listener side)")
         out.append("")
@@ -607,7 +628,8 @@ def report(a: dict, b: dict, c: dict, command: str, reps: int, samples: int, str
         out.append("")
         out.append("Edge peak RSS: " + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in c.get("peak_rss", {}).items())
                    + f". Failed requests: {errors}.")
-    return "\n".join(out)
+        out.append("")
+    return out
 
 
 async def run(args: argparse.Namespace) -> None:
@@ -641,10 +663,14 @@ async def run(args: argparse.Namespace) -> None:
         central = {"tls_port": tls_port, "h3_port": h3_port, "child": central_child}
         rtts = [40.0, 120.0]
         samples = 5 if args.quick else args.samples
-        a = await phase_a(central, tmp, certfile, rtts, samples, args.reps)
+        a = await phase_a(central, tmp, certfile, rtts, samples, args.reps) if "a" in args.phases else {}
         losses = [0.0, 0.01, 0.03]
-        b = await phase_b(central, tmp, certfile, rtts if not args.quick else [40.0], losses, args.reps, args.streams, args.delay)
-        c = {} if args.no_cpu else await phase_c(central, fast_port, tmp, certfile, args.reps, 0.25 if args.quick else 1.0)
+        b = {}
+        if "b" in args.phases:
+            b = await phase_b(central, tmp, certfile, rtts if not args.quick else [40.0], losses, args.reps, args.streams, args.delay)
+        c = {}
+        if "c" in args.phases:
+            c = await phase_c(central, fast_port, tmp, certfile, args.reps, 0.25 if args.quick else 1.0)
         command = "bench/wan.py " + " ".join(sys.argv[1:])
         text = report(a, b, c, command.strip(), args.reps, samples, args.streams, args.delay)
         print(text)
@@ -663,7 +689,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=10, help="new-connection samples per protocol and repetition")
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--delay", type=float, default=0.02, help="seconds between tokens in phase B")
-    parser.add_argument("--no-cpu", action="store_true", help="skip phase C")
+    parser.add_argument("--phases", default="abc", help="which phases to run (default abc)")
     parser.add_argument("--central-core0", action="store_true", help="pin the central gateway to core 0 (default 1)")
     parser.add_argument("--json", metavar="FILE")
     # the emulator alone

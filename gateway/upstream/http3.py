@@ -41,6 +41,7 @@ and QUIC is tried again in the background.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import socket
 import ssl as ssl_module
@@ -54,7 +55,7 @@ from aioquic.quic import events as quic_events
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import MAX_STREAM_DATA_FRAME_CAPACITY, QuicConnection
 from aioquic.quic.packet import QuicFrameType
-from aioquic.tls import SessionTicket
+from aioquic.tls import Group, SessionTicket
 
 from gateway.errors import (
     GatewayError,
@@ -72,6 +73,7 @@ _MAX_STREAMS = 100  # concurrent request streams per connection
 _CONNECTION_WINDOW = 32 * 1024 * 1024  # initial MAX_DATA (aioquic doubles it as it is used)
 _IDLE_TIMEOUT = 60.0  # seconds without a packet before QUIC closes the connection
 _REWARM_DELAY = 0.05
+_KEY_SHARE_GROUPS = (Group.X25519, Group.SECP256R1)
 
 
 class _Refused(Exception):
@@ -87,6 +89,12 @@ class _Quic(QuicConnection):
         super().__init__(configuration=configuration, session_ticket_handler=session_ticket_handler)
         self.window = window
         self.limits: dict[int, int] = {}  # stream id -> receive limit granted by the pool
+
+    def _initialize(self, peer_cid: bytes) -> None:
+        super()._initialize(peer_cid)
+        # aioquic's client offers a key share for each of P-256, P-384, X25519 and X448;
+        # generating four keys is a good part of a handshake's CPU. Two cover every server.
+        self.tls._supported_groups = [g for g in _KEY_SHARE_GROUPS if g in self.tls._supported_groups]
 
     def _write_stream_limits(self, builder, space, stream) -> None:
         limit = self.limits.get(stream.stream_id)
@@ -512,11 +520,13 @@ class H3Pool:
         origin = self._origin
         loop = self._loop
         timeout = self._timeouts.connect
-        try:
-            infos = await loop.getaddrinfo(origin.host, origin.port, type=socket.SOCK_DGRAM)
-        except OSError as exc:
-            raise UpstreamConnectError(f"cannot resolve {origin}: {exc}") from None
-        addr = infos[0][4]
+        addr = _literal_address(origin.host, origin.port)
+        if addr is None:
+            try:
+                infos = await loop.getaddrinfo(origin.host, origin.port, type=socket.SOCK_DGRAM)
+            except OSError as exc:
+                raise UpstreamConnectError(f"cannot resolve {origin}: {exc}") from None
+            addr = infos[0][4]
         configuration = QuicConfiguration(
             is_client=True,
             alpn_protocols=H3_ALPN,
@@ -653,6 +663,15 @@ class FallbackPool:
             logger.info("%s: HTTP/3 is back", self.primary._origin)
             self._probe = None
             return
+
+
+def _literal_address(host: str, port: int) -> tuple | None:
+    """An IP literal's socket address, without a trip through the resolver's thread pool."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    return (host, port) if ip.version == 4 else (host, port, 0, 0)
 
 
 def _wake(waiter: asyncio.Future) -> None:
