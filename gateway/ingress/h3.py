@@ -44,6 +44,7 @@ from aioquic.quic.packet import pull_quic_header
 from aioquic.tls import SessionTicket
 
 from gateway.ingress.asgi import RequestStream, build_scope
+from gateway.upstream.http3 import CONGESTION_CONTROL
 
 __all__ = ["H3Listener", "TicketStore", "serve_http3"]
 
@@ -319,7 +320,7 @@ async def serve_http3(
         is_client=False,
         alpn_protocols=H3_ALPN,
         idle_timeout=_IDLE_TIMEOUT,
-        max_datagram_frame_size=None,
+        congestion_control_algorithm=CONGESTION_CONTROL,  # as the pool's, for the same reason
     )
     configuration.load_cert_chain(certfile, keyfile)
     loop = asyncio.get_running_loop()
