@@ -18,8 +18,10 @@ keep taking data without bound. ``_Quic`` overrides that one step, ``_write_stre
 for response streams: the limit is what the relay has *consumed* plus the relay buffer
 (``limits.stream_buffer_bytes``), raised in half-window steps. A slow client therefore
 stalls exactly its own stream at the server; the connection limit (MAX_DATA) is left to
-aioquic and stays large, so the other streams keep flowing. This relies on a private aioquic
-method (checked against aioquic 1.7; the backpressure tests fail if it changes).
+aioquic and stays large, so the other streams keep flowing. aioquic has no public hook for
+this: the override is of a private method (checked against aioquic 1.7.2; the backpressure
+tests fail if it changes), as is ``_initialize``, where the client's TLS key shares are cut
+from four to two (half of a new connection's handshake CPU here).
 
 Cancellation: closing an unfinished response resets the stream both ways (RESET_STREAM and
 STOP_SENDING, H3_REQUEST_CANCELLED), which is how the server learns the client has gone.

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import ssl
 import time
 
 import httpx
 import orjson
 import psutil
 import pytest
+from websockets.sync.client import connect as ws_connect
 
 from tests.conftest import cluster
 from tests.fakes import free_port
@@ -87,6 +89,19 @@ def test_https_listener_speaks_http1_and_http2_and_advertises_http3(upstreams, i
             assert client.get(gw.https_url + "/healthz").headers["alt-svc"] == alt_svc
     plain = httpx.get(gw.url + "/healthz")  # the plain listener is unchanged, no Alt-Svc for http://
     assert plain.status_code == 200 and "alt-svc" not in plain.headers
+
+
+def test_websocket_over_the_https_listener(upstreams, ingress_gateways, certificate):
+    """A client without ALPN (this WebSocket client offers none) gets HTTP/1.1, upgrades included."""
+    fake = upstreams(tokens=3)
+    gw = ingress_gateways({"clusters": [cluster(fake)]})
+    context = ssl.create_default_context(cafile=certificate[0])
+    with ws_connect(gw.https_url.replace("https", "wss") + "/v1/ws", ssl=context) as ws:
+        ws.send(orjson.dumps(CHAT).decode())
+        messages = []
+        while (message := orjson.loads(ws.recv(timeout=5))).get("type") != "done":
+            messages.append(message)
+    assert "".join(m["choices"][0]["delta"].get("content", "") for m in messages if m["choices"]) == "tok0 tok1 tok2 "
 
 
 @pytest.mark.parametrize("kind", INGRESS)
