@@ -225,7 +225,7 @@ async def test_slow_client_stalls_the_upstream_and_bounds_gateway_memory(
             got += len(chunk)
         assert await async_wait_for(lambda: seen.bytes_sent > previous)
         response.close()
-        assert await async_wait_for(seen.disconnected.is_set, 10)
+        assert await async_wait_for(seen.disconnected.is_set, 5)
     finally:
         await pool.aclose()
 
