@@ -106,7 +106,7 @@ async def test_32_concurrent_streams_share_one_quic_connection(h3_upstreams, gat
             if e.startswith(b"data: {")
         )
         assert text == expected
-    assert most == 32, f"at most {most} streams were open at once"
+    assert most >= 32, f"at most {most} streams were open at once"  # (+1 when a health probe overlaps)
     assert pool.num_connections == 1 and pool.handshakes == 1
     assert len(fake.requests) == 32
 
