@@ -188,17 +188,8 @@ async def test_slow_client_stalls_the_upstream_and_bounds_gateway_memory(
     so it gives back no flow-control credit) reads nothing. The gateway's writes must block,
     the upstream must stall, and the gateway process must not grow."""
     fake = upstreams(tokens=20_000, pad=16 * 1024)
-    tls_port, h3_port = _free_ports()
-    certfile, keyfile = certificate
-    gw = gateway_processes(
-        {
-            "clusters": [cluster(fake)],
-            "listen": {
-                "tls": {"port": tls_port, "certfile": certfile, "keyfile": keyfile},
-                "http3": {"port": h3_port, "certfile": certfile, "keyfile": keyfile},
-            },
-        }
-    )
+    certfile = certificate[0]
+    gw, tls_port, h3_port = start_with_listeners(gateway_processes, {"clusters": [cluster(fake)]}, certificate)
     process = psutil.Process(gw.proc.pid)
     pool = client_pool(kind, tls_port if kind == "h2" else h3_port, certfile, high_water=64 * 1024)
     try:
@@ -233,13 +224,9 @@ async def test_slow_client_stalls_the_upstream_and_bounds_gateway_memory(
 @pytest.mark.parametrize("kind", INGRESS)
 async def test_sigterm_drains_a_live_stream_over_ingress(upstreams, gateway_processes, certificate, kind):
     fake = upstreams(tokens=40, delay=0.05)
-    tls_port, h3_port = _free_ports()
-    certfile, keyfile = certificate
-    listen = {
-        "tls": {"port": tls_port, "certfile": certfile, "keyfile": keyfile},
-        "http3": {"port": h3_port, "certfile": certfile, "keyfile": keyfile},
-    }
-    gw = gateway_processes({"clusters": [cluster(fake)], "listen": listen, "limits": {"drain_timeout_s": 20}})
+    certfile = certificate[0]
+    config = {"clusters": [cluster(fake)], "limits": {"drain_timeout_s": 20}}
+    gw, tls_port, h3_port = start_with_listeners(gateway_processes, config, certificate)
     pool = client_pool(kind, tls_port if kind == "h2" else h3_port, certfile)
     try:
         response = await pool.request(b"POST", b"/v1/chat/completions", [], orjson.dumps({**CHAT, "stream": True}))
@@ -282,5 +269,20 @@ def test_gateway_to_gateway_over_http3(upstreams, gateways, ingress_gateways, ce
     assert wait_for(lambda: edge.state.in_flight == 0 and central.state.in_flight == 0)
 
 
-def _free_ports() -> tuple[int, int]:
-    return free_port(), free_udp_port()
+def start_with_listeners(gateway_processes, config: dict, certificate: tuple[str, str]):
+    """A gateway process with ``listen.tls`` and ``listen.http3`` on free ports: (gateway,
+    tls port, http3 port). A port found free can be taken before the gateway binds it (the
+    machine is shared): then the gateway exits at start-up, and it is tried on others."""
+    certfile, keyfile = certificate
+    for attempt in range(3):
+        tls_port, h3_port = free_port(), free_udp_port()
+        listen = {
+            "tls": {"port": tls_port, "certfile": certfile, "keyfile": keyfile},
+            "http3": {"port": h3_port, "certfile": certfile, "keyfile": keyfile},
+        }
+        try:
+            return gateway_processes({**config, "listen": listen}), tls_port, h3_port
+        except RuntimeError as exc:
+            if "address already in use" not in str(exc) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
