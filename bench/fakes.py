@@ -190,6 +190,10 @@ class FakeApp:
                 raise ConnectionAbortedError("scripted mid-stream failure")
             if i and delay:
                 await asyncio.sleep(delay)
+            elif i:
+                # a send to a client that is gone returns at once: yield, or the watcher that
+                # notices the disconnect never runs and a zero-delay stream "sends" to its end
+                await asyncio.sleep(0)
             await self._event(send, seen, chunk(i, token_text(i, pad), model=model, kind=kind))
         await self._event(send, seen, chunk(tokens, "", model=model, kind=kind, finish="stop"))
         options = data.get("stream_options") or {}

@@ -23,6 +23,7 @@ import uvicorn
 
 from cache import CacheConfig
 from gateway.app import create_app
+from gateway.ingress import Server
 from gateway.observability import redact_logs
 from gateway.settings import ConfigError, Settings, load_settings, quickstart_settings
 from loadgen import cli as bench_cli
@@ -190,7 +191,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         proxy_headers=False,  # X-Forwarded-For is honoured by routing, from trusted proxies only
     )
     redact_logs("uvicorn", "uvicorn.error", "uvicorn.access")  # no key in any log line, at any level
-    server = _DrainingServer(config)
+    server = _DrainingServer(config, listen, high_water=settings.limits.stream_buffer_bytes)
     server.run()
     return 0
 
@@ -220,9 +221,10 @@ def _override(settings: Settings, args: argparse.Namespace) -> Settings:
     return settings.model_copy(update={"listen": listen.model_copy(update=changes)})
 
 
-class _DrainingServer(uvicorn.Server):
+class _DrainingServer(Server):
     """On SIGTERM/SIGINT, mark the gateway draining (readyz 503, new requests refused)
-    while uvicorn stops accepting and lets in-flight streams finish; then exit 0."""
+    while uvicorn stops accepting and lets in-flight streams finish; then exit 0.
+    (``gateway.ingress.Server``: uvicorn's, plus the ``listen.tls`` / ``listen.http3`` listeners.)"""
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:

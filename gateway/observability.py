@@ -5,7 +5,8 @@ Stages (Server-Timing names), each starting where the previous one ended:
   cache     the cache lookup (``desc``: hit, coalesced)
   route     the routing decision
   queue     waiting in the gateway's queue in front of the target (gateway.queueing)
-  pool      waiting for an upstream connection (connect included when a new one opened)
+  pool      waiting for an upstream connection (connect included when a new one opened);
+            its desc names the protocol that carried the request (http1 | http2 | http3)
   upstream  from sending the request to the upstream's response headers (its queue + prefill
             for a streaming server that sends headers with the first token)
   engine    the in-process edge engine: chat template and tokenisation (its time to the
@@ -58,12 +59,12 @@ class Timing:
         self._mark = now
         return now
 
-    def upstream(self, queued: float, pool_wait: float, attempts: int) -> None:
-        """Close the upstream stages: the gateway's queue, the pool (connect included), then
-        the time to the upstream's first byte."""
+    def upstream(self, queued: float, pool_wait: float, attempts: int, protocol: str = "") -> None:
+        """Close the upstream stages: the gateway's queue, the pool (connect included; its
+        desc names the protocol), then the time to the upstream's first byte."""
         now = time.perf_counter()
         self.stages.append(("queue", queued, None))
-        self.stages.append(("pool", pool_wait, None))
+        self.stages.append(("pool", pool_wait, protocol or None))
         desc = "first byte" if attempts == 1 else f"first byte, attempt {attempts}"
         self.stages.append(("upstream", max(0.0, now - self._mark - pool_wait - queued), desc))
         self._mark = now
@@ -135,6 +136,12 @@ class Metrics:
             "edgegw_failovers", "Requests retried on another endpoint before the first byte.", registry=registry
         )
         self.hedges = Counter("edgegw_hedges", "Hedged requests (a second attempt started).", registry=registry)
+        self.upstream_requests = Counter(
+            "edgegw_upstream_requests",
+            "Requests answered by an endpoint, by the protocol that carried them (an http3 endpoint may fall back to http2).",
+            ["upstream", "protocol"],
+            registry=registry,
+        )
         self.hedge_wins = Counter("edgegw_hedge_wins", "Hedged requests won by the hedge.", registry=registry)
         self.client_disconnects = Counter(
             "edgegw_client_disconnects", "Requests whose client left before the end.", registry=registry

@@ -127,7 +127,7 @@ class Pipeline:
         if opened.target.kind is TargetKind.EDGE:
             timing.engine(opened.queued)
         else:
-            timing.upstream(opened.queued, reply.pool_wait, opened.attempt)
+            timing.upstream(opened.queued, reply.pool_wait, opened.attempt, reply.protocol)
         route = _route_header(decision)
         if opened.target is not decision.target:
             route += b"; served-by=" + opened.target.label().encode()

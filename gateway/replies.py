@@ -49,6 +49,7 @@ class Reply:
     headers: list[tuple[bytes, bytes]] = []
     label = "-"  # the metrics' target label: an endpoint URL, "edge", "cache", "coalesced"
     pool_wait = 0.0  # seconds spent getting an upstream connection (connect included)
+    protocol = ""  # what carried an upstream reply: http1 | http2 | http3
     slot: Slot | None = None  # its place at its target (gateway.queueing), given back at its end
 
     async def read_body(self) -> bytes:
@@ -86,8 +87,8 @@ class UpstreamReply(Reply):
     endpoint's in-flight count never leaks. Its TTFT is measured from when it was sent."""
 
     __slots__ = (
-        "response", "upstream", "status", "headers", "label", "pool_wait", "slot", "sent_at", "_reader", "_limit",
-        "_health", "_ttft", "_ended",
+        "response", "upstream", "status", "headers", "label", "pool_wait", "protocol", "slot", "sent_at", "_reader",
+        "_limit", "_health", "_ttft", "_ended",
     )
 
     def __init__(
@@ -106,6 +107,7 @@ class UpstreamReply(Reply):
         self.headers = response.headers
         self.label = upstream.url
         self.pool_wait = response.pool_wait
+        self.protocol = response.protocol
         self.slot = None
         self.sent_at = sent_at  # time.monotonic() when the request was handed to the pool
         self._reader = EventReader(response.body, ping, upstream.timeouts.read, max_event)

@@ -3,7 +3,7 @@
 Only this module reads configuration files or the environment. ``load_settings(path)``
 returns a frozen ``Settings`` value or raises ``ConfigError`` whose message names the bad
 key and its line, e.g. ``configs/x.yaml:12: clusters.0.endpoints.0.protocol: Input should
-be 'http1' or 'http2'``.
+be 'http1', 'http2' or 'http3'``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,16 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from cache import CacheConfig
 from edge_engine.config import EngineConfig
@@ -25,6 +34,8 @@ from routing import ClusterSpec, RoutingConfig, RoutingTable, TableError
 __all__ = [
     "ConfigError",
     "ListenSettings",
+    "TLSListenSettings",
+    "HTTP3ListenSettings",
     "LimitSettings",
     "EndpointSettings",
     "ClusterSettings",
@@ -52,11 +63,44 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _readable_file(value: str) -> str:
+    if not os.path.isfile(value):
+        raise ValueError(f"{value!r} is not a readable file")
+    return value
+
+
+# -- listen.tls and listen.http3 (issue 13): the gateway-to-gateway listeners ------------------
+
+
+class TLSListenSettings(_Model):
+    port: int = Field(8443, ge=1, le=65535)  # TCP port serving HTTP/1.1 and HTTP/2 over TLS (ALPN)
+    certfile: str  # PEM certificate (chain)
+    keyfile: str  # PEM private key
+
+    @field_validator("certfile", "keyfile")
+    @classmethod
+    def _files_exist(cls, value: str) -> str:
+        return _readable_file(value)
+
+
+class HTTP3ListenSettings(_Model):
+    port: int = Field(8443, ge=1, le=65535)  # UDP port serving HTTP/3 (may equal listen.tls.port)
+    certfile: str  # PEM certificate (chain)
+    keyfile: str  # PEM private key
+
+    @field_validator("certfile", "keyfile")
+    @classmethod
+    def _files_exist(cls, value: str) -> str:
+        return _readable_file(value)
+
+
 class ListenSettings(_Model):
     host: str = "127.0.0.1"  # address to bind
     port: int = Field(8080, ge=0, le=65535)  # TCP port (0 picks a free one)
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"  # server log level
     access_log: bool = False  # one log line per request from the gateway itself (not uvicorn's)
+    tls: TLSListenSettings | None = None  # also serve HTTPS (HTTP/1.1 + HTTP/2) on another port
+    http3: HTTP3ListenSettings | None = None  # also serve HTTP/3 (QUIC, UDP); HTTPS answers advertise it (Alt-Svc)
 
 
 class LimitSettings(_Model):
@@ -77,7 +121,7 @@ class LimitSettings(_Model):
 
 class EndpointSettings(_Model):
     url: str  # base URL of an OpenAI-compatible server: http://10.0.0.5:8000/v1, https://host/openai/v1 (bare origin: /v1)
-    protocol: Literal["http1", "http2"] = "http1"  # http2: h2c prior knowledge on http://, ALPN on https://
+    protocol: Literal["http1", "http2", "http3"] = "http1"  # http2: h2c on http://, ALPN on https://; http3: QUIC (https:// only)
     pool_size: int = Field(64, ge=1)  # max connections to this endpoint (http2: connections, each multiplexed)
     warm_connections: int = Field(2, ge=0)  # connections opened at start-up and kept open
     connect_timeout_s: float = Field(3.0, gt=0)  # TCP (+TLS) connect
@@ -88,7 +132,11 @@ class EndpointSettings(_Model):
     adaptive: bool = False  # move the limit with measured TTFT (AIMD), up to max_concurrency (or pool_size)
     api_key: SecretStr | None = None  # sent as "Authorization: Bearer ..." to this endpoint
     api_key_env: str | None = None  # or: the environment variable holding it
-    verify_tls: bool = True  # verify the upstream's certificate on https://
+    verify_tls: bool = Field(True, validation_alias=AliasChoices("verify", "verify_tls"))  # `verify`: check the upstream's certificate on https://
+    ca_file: str | None = None  # PEM file of the roots that sign the upstream's certificate (default: the system's; certifi's for http3)
+    fallback: Literal["http2"] | None = None  # http3 only: use HTTP/2 over TLS when QUIC cannot be established (UDP blocked)
+    fallback_after_s: float = Field(1.0, gt=0)  # http3 with a fallback: how long a QUIC handshake may take before falling back
+    early_data: bool = False  # http3: send requests as 0-RTT early data on resumed connections (replayable: opt in)
 
     @field_validator("url")
     @classmethod
@@ -104,6 +152,21 @@ class EndpointSettings(_Model):
     def _warm_within_pool(self) -> EndpointSettings:
         if self.warm_connections > self.pool_size:
             raise ValueError("warm_connections must not exceed pool_size")
+        return self
+
+    @field_validator("ca_file")
+    @classmethod
+    def _ca_file_exists(cls, value: str | None) -> str | None:
+        return None if value is None else _readable_file(value)
+
+    @model_validator(mode="after")
+    def _quic_options(self) -> EndpointSettings:
+        if self.protocol == "http3" and not self.url.startswith("https://"):
+            raise ValueError("protocol http3 needs an https:// url")
+        if self.fallback is not None and self.protocol != "http3":
+            raise ValueError("fallback applies to protocol http3 only")
+        if self.early_data and self.protocol != "http3":
+            raise ValueError("early_data applies to protocol http3 only")
         return self
 
 

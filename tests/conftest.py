@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import os
 import subprocess
 import sys
@@ -17,15 +15,11 @@ import pytest
 import redis
 import uvicorn
 import yaml
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from gateway.app import create_app
 from gateway.settings import Settings
 from bench.fakes import honour_h2_flow_control
-from tests.fakes import FakeUpstream, free_port
+from tests.fakes import FakeUpstream, free_port, make_certificate
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -222,26 +216,7 @@ def private_redis(tmp_path):
 @pytest.fixture(scope="session")
 def certificate(tmp_path_factory) -> tuple[str, str]:
     """A self-signed certificate (its own CA) for 127.0.0.1: (certfile, keyfile)."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(days=1))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    folder = tmp_path_factory.mktemp("tls")
-    certfile, keyfile = folder / "cert.pem", folder / "key.pem"
-    certfile.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    keyfile.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
-    return str(certfile), str(keyfile)
+    return make_certificate(tmp_path_factory.mktemp("tls"))
 
 
 def ws_answer(ws) -> list[dict]:

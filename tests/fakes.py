@@ -7,18 +7,50 @@ HTTP/2 cleartext with prior knowledge under hypercorn, each on its own event loo
 from __future__ import annotations
 
 import asyncio
+import datetime
+import ipaddress
 import socket
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import uvicorn
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 from hypercorn.asyncio import serve
 from hypercorn.config import Config
 
 from bench.fakes import FakeApp, Seen
 
-__all__ = ["FakeApp", "FakeUpstream", "Seen", "free_port"]
+__all__ = ["FakeApp", "FakeUpstream", "Seen", "free_port", "make_certificate"]
+
+
+def make_certificate(folder: Path) -> tuple[str, str]:
+    """(certfile, keyfile): a self-signed certificate for 127.0.0.1, valid for a day."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    certfile, keyfile = folder / "cert.pem", folder / "key.pem"
+    certfile.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    keyfile.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return str(certfile), str(keyfile)
 
 
 def free_port() -> int:

@@ -6,6 +6,10 @@ An endpoint's URL is a base URL the way OpenAI clients take one (the openai SDK'
 ``<base>/completions``, ``<base>/models``). A bare origin (``http://host:8000``) means
 ``http://host:8000/v1``. Health probes go to ``routing.health.probe_path`` on the origin
 (vLLM's and SGLang's ``/health`` live there, outside ``/v1``).
+
+``protocol`` picks the pool: ``http1`` (``H1Pool``), ``http2`` (``H2Pool``), ``http3``
+(``H3Pool``; with ``fallback: http2``, a ``FallbackPool`` of an ``H3Pool`` and an
+``H2Pool`` on the same origin).
 """
 
 from __future__ import annotations
@@ -19,9 +23,13 @@ from gateway.settings import EndpointSettings, endpoint_api_key
 from gateway.upstream.base import Body, Origin, Pool, Timeouts, UpstreamResponse
 from gateway.upstream.http1 import H1Pool
 from gateway.upstream.http2 import H2Pool
+from gateway.upstream.http3 import FallbackPool, H3Pool
 from gateway.upstream.transport import PoolTransport
 
-__all__ = ["Upstream", "UpstreamResponse", "Body", "Origin", "Pool", "PoolTransport", "H1Pool", "H2Pool", "Timeouts"]
+__all__ = [
+    "Upstream", "UpstreamResponse", "Body", "Origin", "Pool", "PoolTransport", "H1Pool", "H2Pool", "H3Pool",
+    "FallbackPool", "Timeouts",
+]
 
 _JSON = (b"content-type", b"application/json")
 _API_PATHS = {"chat": b"/chat/completions", "completion": b"/completions"}
@@ -54,19 +62,10 @@ class Upstream:
         origin = Origin(
             host, port, _ssl_context(settings) if secure else None, authority.encode(), parts.scheme.encode()
         )
-        pool_type = H2Pool if settings.protocol == "http2" else H1Pool
-        self.pool: Pool = pool_type(
-            origin,
-            max_connections=settings.pool_size,
-            warm_connections=settings.warm_connections,
-            timeouts=self.timeouts,
-            high_water=high_water,
-        )
+        self.pool: Pool = _pool(settings, origin, self.timeouts, high_water)
         # probes and model discovery have connections of their own: a pool full of streams
         # whose clients read nothing must not make a healthy endpoint look dead
-        self.control: Pool = pool_type(
-            origin, max_connections=2, warm_connections=0, timeouts=self.timeouts, high_water=high_water
-        )
+        self.control: Pool = _pool(settings, origin, self.timeouts, high_water, control=True)
         self.headers: list[tuple[bytes, bytes]] = [_JSON]
         key = endpoint_api_key(settings)
         if key:
@@ -98,10 +97,29 @@ class Upstream:
         return f"<Upstream {self.url} {self.protocol} cluster={self.cluster}>"
 
 
+def _pool(settings: EndpointSettings, origin: Origin, timeouts: Timeouts, high_water: int, control: bool = False) -> Pool:
+    """The endpoint's pool for requests, or (``control``) its small one for probes and
+    model discovery: two connections, none kept warm."""
+    common = {"max_connections": settings.pool_size, "warm_connections": settings.warm_connections, "high_water": high_water}
+    if control:
+        common = {**common, "max_connections": 2, "warm_connections": 0}
+    if settings.protocol == "http1":
+        return H1Pool(origin, timeouts=timeouts, **common)
+    if settings.protocol == "http2":
+        return H2Pool(origin, timeouts=timeouts, **common)
+    quic = {"ca_file": settings.ca_file, "early_data": settings.early_data}
+    if settings.fallback is None:
+        return H3Pool(origin, timeouts=timeouts, **quic, **common)
+    # the QUIC handshake gets fallback_after_s; the HTTP/2 pool the endpoint's own timeouts
+    quick = Timeouts(settings.fallback_after_s, timeouts.read, timeouts.write, timeouts.pool)
+    return FallbackPool(H3Pool(origin, timeouts=quick, **quic, **common), H2Pool(origin, timeouts=timeouts, **common))
+
+
 def _ssl_context(settings: EndpointSettings) -> ssl.SSLContext:
-    context = ssl.create_default_context()
+    """TCP's TLS context (for http3 it carries only the verify mode, and serves the HTTP/2 fallback)."""
+    context = ssl.create_default_context(cafile=settings.ca_file)
     if not settings.verify_tls:
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE
-    context.set_alpn_protocols(["h2"] if settings.protocol == "http2" else ["http/1.1"])
+    context.set_alpn_protocols(["http/1.1"] if settings.protocol == "http1" else ["h2"])
     return context

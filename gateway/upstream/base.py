@@ -193,7 +193,7 @@ class Body:
 class UpstreamResponse:
     """Status and headers of an upstream response, and its body as it arrives."""
 
-    __slots__ = ("status", "headers", "body", "pool_wait", "_cancel", "_closed")
+    __slots__ = ("status", "headers", "body", "pool_wait", "protocol", "_cancel", "_closed")
 
     def __init__(
         self,
@@ -202,11 +202,14 @@ class UpstreamResponse:
         body: Body,
         cancel: Callable[[], None],
         pool_wait: float,
+        *,
+        protocol: str = "",
     ) -> None:
         self.status = status
         self.headers = headers  # names lower-cased
         self.body = body
         self.pool_wait = pool_wait  # seconds spent getting a connection (connect included)
+        self.protocol = protocol  # http1 | http2 | http3: what carried it (an HTTP/3 endpoint may fall back)
         self._cancel = cancel
         self._closed = False
 

@@ -221,7 +221,7 @@ class H1Pool:
                 if reused and attempt == 0:
                     continue  # the server closed an idle connection as we used it: retry once, fresh
                 raise UpstreamConnectError("upstream closed the connection before answering") from None
-            return UpstreamResponse(status, response_headers, response_body, conn.cancel, pool_wait)
+            return UpstreamResponse(status, response_headers, response_body, conn.cancel, pool_wait, protocol="http1")
         raise AssertionError("unreachable")
 
     async def warm(self) -> None:

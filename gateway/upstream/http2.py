@@ -363,7 +363,7 @@ class H2Pool:
                     continue  # GOAWAY / REFUSED_STREAM: the server never saw it; again, on another connection
                 raise UpstreamConnectError("the upstream refused the stream three times") from None
             return UpstreamResponse(
-                status, response_headers, response_body, lambda: conn.cancel(stream_id), pool_wait
+                status, response_headers, response_body, lambda: conn.cancel(stream_id), pool_wait, protocol="http2"
             )
         raise AssertionError("unreachable")
 

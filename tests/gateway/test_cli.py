@@ -27,7 +27,7 @@ def test_check_config_names_the_bad_key_and_line(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text(
         "listen:\n  port: 8080\nclusters:\n  - name: a\n    endpoints:\n"
-        "      - url: http://127.0.0.1:9\n        protocol: http3\n        pool_sise: 4\n"
+        "      - url: http://127.0.0.1:9\n        protocol: spdy\n        pool_sise: 4\n"
     )
     result = edgegw("check-config", str(path))
     assert result.returncode == 1

@@ -11,7 +11,6 @@ import threading
 import time
 
 import httpx
-import pytest
 
 from tests.conftest import cluster
 

@@ -1,0 +1,28 @@
+"""Listeners beside uvicorn's plain HTTP/1.1 one: HTTPS (HTTP/1.1 + HTTP/2 by ALPN) and HTTP/3.
+
+For gateway-to-gateway traffic (an edge edgegw talking to a central one), where TLS is
+needed and HTTP/2 or HTTP/3 multiplexing pays. Each serves any ASGI app, keeps
+backpressure (a slow client blocks the app's ``send``) and cancellation (a client that
+resets its stream is an ``http.disconnect``):
+
+- ``asgi.py``: one request stream as the app sees it (shared by HTTP/2 and HTTP/3);
+- ``h2.py``: HTTP/2 on h2; ``h3.py``: HTTP/3 on aioquic;
+- ``server.py``: ``Server``, ``uvicorn.Server`` plus ``listen.tls`` and ``listen.http3``,
+  and the ``Alt-Svc`` advertisement.
+"""
+
+from gateway.ingress.asgi import RequestStream
+from gateway.ingress.h2 import H2ServerProtocol
+from gateway.ingress.h3 import H3Listener, TicketStore, serve_http3
+from gateway.ingress.server import AltSvcApp, Server, tls_context
+
+__all__ = [
+    "AltSvcApp",
+    "H2ServerProtocol",
+    "H3Listener",
+    "RequestStream",
+    "Server",
+    "TicketStore",
+    "serve_http3",
+    "tls_context",
+]

@@ -1,0 +1,145 @@
+"""uvicorn's server plus the gateway-to-gateway listeners: HTTPS (HTTP/1.1 and HTTP/2) and HTTP/3.
+
+The plain HTTP/1.1 listener stays uvicorn's (``listen.host``/``listen.port``). With
+``listen.tls`` a TCP listener serves TLS on its own port and picks the protocol by ALPN:
+``h2`` goes to ``gateway.ingress.h2``, ``http/1.1`` to uvicorn's own HTTP/1.1 protocol
+(the same one the plain listener runs). With ``listen.http3`` a UDP listener serves
+HTTP/3 (``gateway.ingress.h3``), and HTTPS responses carry ``Alt-Svc`` so that clients
+learn of it. All of them serve the same app (uvicorn's loaded app, the lifespan already
+run) and register their connections and request tasks in uvicorn's server state, so
+uvicorn's graceful shutdown (SIGTERM) drains them like its own: no new connections, GOAWAY,
+in-flight streams finish up to ``timeout_graceful_shutdown``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+import sys
+
+import uvicorn
+from uvicorn.config import STARTUP_FAILURE
+
+from gateway.ingress.h2 import H2ServerProtocol
+from gateway.ingress.h3 import H3Listener, serve_http3
+from gateway.settings import ListenSettings
+
+__all__ = ["AltSvcApp", "Server", "tls_context"]
+
+logger = logging.getLogger("edgegw.ingress")
+
+_ALT_SVC_MAX_AGE = 86400
+
+
+class AltSvcApp:
+    """Adds ``Alt-Svc: h3=":PORT"`` to responses over HTTPS that did not come over HTTP/3
+    (RFC 7838: the client may use HTTP/3 on that UDP port for this origin)."""
+
+    def __init__(self, app, port: int) -> None:
+        self.app = app
+        self.value = f'h3=":{port}"; ma={_ALT_SVC_MAX_AGE}'.encode()
+
+    def __getattr__(self, name: str):
+        return getattr(self.app, name)  # e.g. ``state``
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope.get("scheme") != "https" or scope.get("http_version") == "3":
+            return await self.app(scope, receive, send)
+        header = (b"alt-svc", self.value)
+
+        async def send_with_alt_svc(message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), header]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_alt_svc)
+
+
+def tls_context(certfile: str, keyfile: str) -> ssl.SSLContext:
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(certfile, keyfile)
+    context.set_alpn_protocols(["h2", "http/1.1"])
+    return context
+
+
+class _AlpnSwitch(asyncio.Protocol):
+    """Sits on a fresh TLS connection; when the handshake is done (``connection_made``)
+    hands the transport to the protocol ALPN chose."""
+
+    def __init__(self, server: Server) -> None:
+        self._server = server
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        server = self._server
+        ssl_object = transport.get_extra_info("ssl_object")
+        alpn = ssl_object.selected_alpn_protocol() if ssl_object is not None else None
+        config = server.config
+        protocol: asyncio.Protocol
+        if alpn == "h2":
+            protocol = H2ServerProtocol(
+                config.loaded_app, server.server_state, server.lifespan.state, keep_alive=config.timeout_keep_alive
+            )
+        else:
+            protocol = config.http_protocol_class(  # uvicorn's HTTP/1.1 (httptools or h11)
+                config=config, server_state=server.server_state, app_state=server.lifespan.state
+            )
+        transport.set_protocol(protocol)
+        protocol.connection_made(transport)
+
+
+class Server(uvicorn.Server):
+    """``uvicorn.Server`` that also runs ``listen.tls`` and ``listen.http3``.
+
+    ``high_water`` is the relay buffer (``limits.stream_buffer_bytes``): the HTTP/3 listener
+    keeps at most that many unacknowledged bytes per stream before it blocks the app."""
+
+    def __init__(self, config: uvicorn.Config, listen: ListenSettings, *, high_water: int = 256 * 1024) -> None:
+        super().__init__(config)
+        self.listen = listen
+        self.high_water = high_water
+        self.http3: H3Listener | None = None
+
+    async def startup(self, sockets=None) -> None:
+        listen = self.listen
+        if listen.http3 is not None:
+            self.config.loaded_app = AltSvcApp(self.config.loaded_app, listen.http3.port)
+        await super().startup(sockets)
+        if not self.started:
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            if listen.tls is not None:
+                context = tls_context(listen.tls.certfile, listen.tls.keyfile)
+                server = await loop.create_server(
+                    lambda: _AlpnSwitch(self), listen.host, listen.tls.port, ssl=context, backlog=self.config.backlog
+                )
+                self.servers.append(server)  # uvicorn closes it with its own on shutdown
+                logger.info("HTTPS (HTTP/1.1, HTTP/2) on https://%s:%d", listen.host, listen.tls.port)
+            if listen.http3 is not None:
+                self.http3 = await serve_http3(
+                    self.config.loaded_app,
+                    listen.host,
+                    listen.http3.port,
+                    listen.http3.certfile,
+                    listen.http3.keyfile,
+                    server_state=self.server_state,
+                    app_state=self.lifespan.state,
+                    high_water=self.high_water,
+                )
+                logger.info("HTTP/3 on udp://%s:%d", listen.host, listen.http3.port)
+        except (OSError, ssl.SSLError) as exc:
+            logger.error("cannot start the gateway's listeners: %s", exc)
+            for server in self.servers:
+                server.close()
+            await self.lifespan.shutdown()
+            sys.exit(STARTUP_FAILURE)
+
+    async def shutdown(self, sockets=None) -> None:
+        if self.http3 is not None:
+            self.http3.stop_accepting()
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if self.http3 is not None:
+                self.http3.close()
