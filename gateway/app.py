@@ -25,6 +25,7 @@ from starlette.routing import Route, WebSocketRoute
 
 from gateway.admission import AdmissionApp, Gate
 from gateway.caching import CacheLayer
+from gateway.dashboard import DashboardApp, provisional_snapshot
 from gateway.dispatch import Dispatcher
 from gateway.endpoints import CompletionsApp, HealthzApp, MetricsApp, ModelsApp, ReadyzApp, WebSocketApp
 from gateway.errors import error_body
@@ -96,6 +97,7 @@ def create_app(settings: Settings, *, metrics: Metrics | None = None) -> Gateway
             await gateway.aclose()
 
     pipeline, gate = gateway.pipeline, gateway.gate
+    dashboard = DashboardApp(provisional_snapshot(gateway), stop=lambda: gate.draining)
     completions = {
         "/v1/chat/completions": AdmissionApp(CompletionsApp(pipeline, gateway.metrics), gate, "chat", CHAT),
         "/v1/completions": AdmissionApp(CompletionsApp(pipeline, gateway.metrics), gate, "completions", COMPLETION),
@@ -106,6 +108,8 @@ def create_app(settings: Settings, *, metrics: Metrics | None = None) -> Gateway
         Route("/healthz", HealthzApp(), methods=["GET"]),
         Route("/readyz", ReadyzApp(gateway), methods=["GET"]),
         Route("/metrics", MetricsApp(gateway.metrics), methods=["GET"]),
+        Route("/dashboard", dashboard, methods=["GET"]),
+        Route("/dashboard/feed", dashboard, methods=["GET"]),
         WebSocketRoute("/v1/ws", WebSocketApp(pipeline, gate, gateway.metrics)),
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: _http_error, 405: _http_error})
