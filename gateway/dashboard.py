@@ -277,15 +277,18 @@ def _targets(fleet, now_r: _Reading, rate_base: _Reading | None, base: _Reading 
         if queue.limit and queue.service_s:
             service = queue.limit / queue.service_s
         done = _delta(now_r.e2e, rate_base.e2e, name) if rate_base is not None else None
+        ttft = _percentiles(now_r.ttft, base, "ttft", name)
+        queued = _percentiles(now_r.queue, base, "queue", name)
+        e2e = _percentiles(now_r.e2e, base, "e2e", name)
         targets.append(
             {
                 "name": name,
                 "kind": "edge" if name == "edge" else "endpoint",
                 "cluster": ", ".join(clusters[name]) if name in clusters else None,
                 "requests_per_s": None if done is None else _count(done) / (now - rate_base.at),
-                "ttft_ms": _percentiles(now_r.ttft, base, "ttft", name),
+                "ttft_ms": ttft,
                 "itl_ms": _percentiles(now_r.itl, base, "itl", name),
-                "stages_ms": {"queue": _percentiles(now_r.queue, base, "queue", name)},
+                "stages_ms": _stages(name == "edge", queued, ttft, e2e),
                 "queue": {"waiting": queue.waiting, "active": queue.active, "limit": queue.limit, "service_rate_per_s": service},
                 "breaker": view.get("state"),
                 "in_flight": view.get("inflight"),
@@ -294,6 +297,21 @@ def _targets(fleet, now_r: _Reading, rate_base: _Reading | None, base: _Reading 
             }
         )
     return targets
+
+
+def _stages(edge: bool, queued: dict | None, ttft: dict | None, e2e: dict | None) -> dict:
+    """Median per stage, as differences of medians: the gateway's queue; then up to the first
+    token (``upstream``: pool, connect, the server's own queue and prefill; ``prefill`` on
+    the edge engine); then the rest of the stream (``decode``). A difference of medians is
+    not the median of a difference, hence no p99: an approximation until the stage model
+    reports each stage itself."""
+    stages = {"queue": queued}
+    if ttft is not None:
+        first = ttft["p50"] - (queued["p50"] if queued is not None else 0.0)
+        stages["prefill" if edge else "upstream"] = {"p50": max(0.0, first), "p99": None}
+        if e2e is not None:
+            stages["decode"] = {"p50": max(0.0, e2e["p50"] - ttft["p50"]), "p99": None}
+    return stages
 
 
 def _engine(fleet) -> dict | None:

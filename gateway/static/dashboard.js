@@ -3,23 +3,20 @@
 // Text is only ever set with textContent (target names are URLs from the configuration).
 "use strict";
 (() => {
-  const HISTORY_S = 300; // the charts show the last five minutes
-  const STALE_AFTER_S = 5; // no snapshot for this long: the feed is stale
+  const HISTORY_S = 300; // the charts keep the last five minutes
+  const MIN_SPAN_S = 30; // and span at least this much, widening as history grows
+  const STALE_AFTER = 3; // snapshot intervals without one: the feed is stale (and at least 2 s)
   const SVG = "http://www.w3.org/2000/svg";
   const STAGES = ["queue", "pool", "upstream", "prefill", "decode"];
   const BURN_WINDOWS = ["5m", "30m", "1h", "6h"];
 
   const $ = (id) => document.getElementById(id);
   const isNum = (v) => typeof v === "number" && Number.isFinite(v);
-  const fmtRate = (v) => (!isNum(v) ? "—" : v >= 100 ? v.toFixed(0) : v >= 10 ? v.toFixed(1) : v.toFixed(2));
+  const fmtRate = (v) => (!isNum(v) ? "—" : v.toFixed(v >= 99.5 ? 0 : v >= 9.995 ? 1 : 2));
   const fmtInt = (v) => (isNum(v) ? String(Math.round(v)) : "—");
   const fmtPct = (v) => (!isNum(v) ? "—" : `${(v * 100).toFixed(v === 0 || v >= 0.995 ? 0 : 1)}%`);
   const fmtMs = (v) =>
-    !isNum(v) ? "—"
-      : v >= 1000 ? `${(v / 1000).toFixed(2)} s`
-      : v >= 100 ? `${v.toFixed(0)} ms`
-      : v >= 10 ? `${v.toFixed(1)} ms`
-      : `${v.toFixed(2)} ms`;
+    !isNum(v) ? "—" : v >= 999.5 ? `${(v / 1000).toFixed(2)} s` : `${v.toFixed(v >= 99.5 ? 0 : v >= 9.995 ? 1 : 2)} ms`;
   const obj = (v) => (v !== null && typeof v === "object" && !Array.isArray(v) ? v : {});
   const words = (s) => String(s).replace(/_/g, " ");
 
@@ -86,11 +83,15 @@
         return path;
       });
       this.ymax = el("span", "ymax");
-      box.append(svg, this.ymax);
+      this.span = el("span", "span");
+      box.append(svg, this.ymax, this.span);
       this.root.append(head, box);
     }
 
     draw(history, now) {
+      const oldest = history.t.length ? history.t[0] : now;
+      const span = Math.min(HISTORY_S, Math.max(MIN_SPAN_S, now - oldest));
+      setText(this.span, span >= 120 ? `last ${Math.round(span / 60)} min` : `last ${Math.round(span)} s`);
       let top = 0;
       for (const s of this.series) for (const v of history[s.key]) if (isNum(v) && v > top) top = v;
       const max = niceCeil(top);
@@ -105,7 +106,7 @@
             pen = false;
             continue;
           }
-          const x = 300 - ((now - history.t[j]) / HISTORY_S) * 300;
+          const x = 300 - ((now - history.t[j]) / span) * 300;
           const y = 58 - (v / max) * 56;
           d += `${pen ? "L" : "M"}${x.toFixed(1)} ${y.toFixed(1)}`;
           pen = true;
@@ -317,6 +318,7 @@
   // The feed. EventSource reconnects by itself after a dropped connection; after a refusal
   // (a 503 while the gateway drains) it gives up, so this starts a new one, backing off.
   let lastAt = 0;
+  let interval = 1000; // between snapshots, as measured (ms)
   let backoff = 1000;
 
   function setFeed(state, text) {
@@ -338,7 +340,9 @@
       } catch (err) {
         return; // not a snapshot: keep the last one (the feed turns stale if this goes on)
       }
-      lastAt = Date.now();
+      const at = Date.now();
+      if (lastAt) interval += 0.2 * (Math.min(at - lastAt, 10000) - interval);
+      lastAt = at;
       document.body.classList.remove("stale");
       setFeed("live", "live");
       render(snapshot);
@@ -357,11 +361,11 @@
     if (!lastAt) return;
     const age = (Date.now() - lastAt) / 1000;
     setText($("updated"), age < 1.5 ? "just now" : `${Math.round(age)} s ago`);
-    if (age > STALE_AFTER_S) {
+    if (age > Math.max(2, (STALE_AFTER * interval) / 1000)) {
       document.body.classList.add("stale");
       setFeed("stale", `stale · ${Math.round(age)} s`);
     }
-  }, 1000);
+  }, 500);
 
   connect();
 })();
