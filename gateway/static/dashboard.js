@@ -138,7 +138,8 @@
       const stats = el("dl", "stats");
       this.rps = stat(stats, "req/s", "rps");
       this.waiting = stat(stats, "waiting", "waiting");
-      this.active = stat(stats, "active / limit", "active");
+      this.active = stat(stats, "active", "active");
+      this.active.title = "requests sent to it / the gateway's limit for it";
       this.service = stat(stats, "served/s", "service");
       this.errors = stat(stats, "errors", "errors");
       const charts = el("div", "charts");
@@ -174,7 +175,8 @@
       const queue = obj(t.queue);
       setText(this.rps, fmtRate(t.requests_per_s));
       setText(this.waiting, fmtInt(queue.waiting));
-      setText(this.active, `${fmtInt(queue.active)} / ${isNum(queue.limit) ? fmtInt(queue.limit) : "∞"}`);
+      const limit = isNum(queue.limit) ? fmtInt(queue.limit) : "∞"; // no limit at the gateway
+      setText(this.active, isNum(queue.active) ? `${fmtInt(queue.active)}/${limit}` : "—");
       setText(this.service, fmtRate(queue.service_rate_per_s));
       setText(this.errors, fmtPct(t.error_rate));
 
@@ -254,31 +256,29 @@
       box.replaceChildren(el("p", "empty", "no SLOs reported"));
       return;
     }
-    const windows = [...BURN_WINDOWS];
-    for (const s of rows) for (const w of Object.keys(obj(s.burn))) if (!windows.includes(w)) windows.push(w);
-    const table = el("table");
-    const head = el("tr");
-    for (const title of ["SLO", "target", ...windows.map((w) => `burn ${w}`), "budget left", "alert"]) head.append(el("th", null, title));
-    table.append(head);
-    for (const s of rows) {
-      const tr = el("tr");
-      tr.dataset.slo = String(s.name);
-      tr.append(el("td", null, s.metric ? `${s.name ?? "—"} (${s.metric})` : String(s.name ?? "—")));
-      tr.append(el("td", null, fmtPct(s.target)));
+    const items = rows.map((s) => {
+      const item = el("div", "slo-item");
+      item.dataset.slo = String(s.name ?? "");
+      const head = el("div", "slo-head");
+      head.append(el("strong", null, String(s.name ?? "—")));
+      const what = [s.metric, isNum(s.target) ? fmtPct(s.target) : null].filter((x) => x != null);
+      if (what.length) head.append(el("span", "chip", what.join(" · ")));
+      const alert = s.alert === true ? ["alert-on", "alert"] : s.alert === false ? ["alert-off", "ok"] : null;
+      if (alert) head.append(el("span", `badge ${alert[0]}`, alert[1]));
       const burn = obj(s.burn);
+      const windows = [...BURN_WINDOWS, ...Object.keys(burn).filter((w) => !BURN_WINDOWS.includes(w))];
+      const grid = el("dl", "burns");
       for (const w of windows) {
         const v = burn[w];
-        tr.append(el("td", isNum(v) && v >= 2 ? "burn-high" : isNum(v) && v >= 1 ? "burn-warn" : null, isNum(v) ? `${v.toFixed(2)}×` : "—"));
+        const dd = stat(grid, `burn ${w}`, `burn-${w}`);
+        dd.textContent = isNum(v) ? `${v.toFixed(2)}×` : "—";
+        if (isNum(v) && v >= 1) dd.className = v >= 2 ? "burn-high" : "burn-warn";
       }
-      tr.append(el("td", null, fmtPct(s.error_budget_remaining)));
-      const alert = el("td");
-      alert.append(el("span", `badge ${s.alert === true ? "alert-on" : s.alert === false ? "alert-off" : ""}`, s.alert === true ? "alert" : s.alert === false ? "ok" : "—"));
-      tr.append(alert);
-      table.append(tr);
-    }
-    const wrap = el("div", "table-wrap");
-    wrap.append(table);
-    box.replaceChildren(wrap);
+      stat(grid, "budget left", "budget").textContent = fmtPct(s.error_budget_remaining);
+      item.append(head, grid);
+      return item;
+    });
+    box.replaceChildren(...items);
   }
 
   function renderEngine(engine) {

@@ -339,9 +339,10 @@ class Scripted:
 
     def __init__(self, snapshot) -> None:
         self.snapshot = snapshot
+        self.stopping = False
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
-        app = DashboardApp(self._read, interval_s=0.2)
+        app = DashboardApp(self._read, interval_s=0.2, stop=lambda: self.stopping)
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", lifespan="off"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
@@ -359,6 +360,7 @@ class Scripted:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.stopping = True  # as a draining gateway: open feeds end, so the server can stop
         self.server.should_exit = True
         self.thread.join(10)
 
@@ -482,15 +484,18 @@ def test_the_page_shows_every_field_copes_with_none_and_says_when_the_feed_is_st
         edge = '.card[data-target="edge"]'
         assert "queue saturated" in text(driver, f"{edge} .diagnosis").lower()
         assert "arrivals 5.1/s > service 3.1/s" in text(driver, f"{edge} .diagnosis")
-        assert text(driver, f'{edge} [data-field="active"]') == "4 / 4"
+        assert text(driver, f'{edge} [data-field="active"]') == "4/4"
         assert text(driver, f'{edge} [data-field="ttft99"]') == "480 ms"
         assert text(driver, f"{edge} .legend").split("\n")[-1] == "decode 900 ms"
         assert attributes(driver, f"{edge} .breaker", "hidden") == [""]  # the engine has none
         for url, state in (("http://10.0.1.10:8000/v1", "half_open"), ("http://10.0.1.11:8000/v1", "open")):
             (badge,) = attributes(driver, f'.card[data-target="{url}"] .breaker', "class")
             assert f"breaker-{state}" in badge.split()
-        slo = text(driver, '#slo tr[data-slo="interactive-ttft"]')
-        assert "14.40×" in slo and "93.0%" in slo and "ALERT" in slo.upper()
+        slo = '#slo [data-slo="interactive-ttft"]'
+        assert text(driver, f'{slo} [data-field="burn-5m"]') == "14.40×"
+        assert attributes(driver, f'{slo} [data-field="burn-5m"]', "class") == ["burn-high"]
+        assert text(driver, f'{slo} [data-field="budget"]') == "93.0%"
+        assert text(driver, f"{slo} .alert-on").upper() == "ALERT"
         assert "120 / 2048 blocks (5.9%)" in text(driver, "#engine")
 
         dashboard.snapshot = SPARSE
@@ -505,4 +510,4 @@ def test_the_page_shows_every_field_copes_with_none_and_says_when_the_feed_is_st
 
         dashboard.snapshot = FULL
         wait.until(lambda d: text(d, "#feed") == "live")
-    assert [entry for entry in driver.get_log("browser") if entry["level"] == "SEVERE"] == []
+        assert [entry for entry in driver.get_log("browser") if entry["level"] == "SEVERE"] == []
