@@ -13,11 +13,25 @@
   says the gateway is draining, so an open dashboard never holds up a shutdown. A
   ``snapshot()`` that raises is logged and skipped: the page shows its feed as stale.
 
-The snapshot is a plain dict (see ``docs``/README for its shape: ``gateway``, ``targets``,
-``slo``, ``engine``; any field may be absent or null). ``provisional_snapshot(gateway)``,
-below its own rule, builds one from what the gateway measures today (Prometheus counters
-and histograms, the queues, routing's health, the engine's stats); the observability
-work replaces it with the stage model's own reading without touching the page.
+The snapshot is a plain dict, sent as orjson writes it. Any field may be absent or null
+(unknown), and the page shows "—" for it::
+
+    time      wall-clock seconds
+    gateway   {requests_per_s, in_flight, shedding, cache_hit_rate}
+    targets   [{name, kind: edge | endpoint, cluster, requests_per_s,
+                ttft_ms, itl_ms: {p50, p99},
+                stages_ms: {queue, pool, upstream, prefill, decode: {p50, p99}},
+                queue: {waiting, active, limit, service_rate_per_s},
+                breaker: closed | half_open | open,
+                diagnosis: {verdict: healthy | queue_saturated | prefill_bound
+                            | decode_bound | network_bound | unknown, evidence}}]
+    slo       [{name, metric, target, burn: {"5m": rate, ...}, error_budget_remaining, alert}]
+    engine    {waiting, running, kv_blocks_used, kv_blocks_total, prefix_cache_hit_rate}
+
+``provisional_snapshot(gateway)``, below its own rule, builds one from what the gateway
+measures today (Prometheus counters and histograms, the queues, routing's health, the
+engine's stats); the observability work replaces it with the stage model's own reading
+without touching the page.
 """
 
 from __future__ import annotations
@@ -46,7 +60,8 @@ Snapshot = Callable[[], dict]
 
 
 class DashboardApp:
-    """The page at ``/dashboard`` and its live feed at ``/dashboard/feed``."""
+    """The page at ``/dashboard`` and its live feed at ``/dashboard/feed``; while ``stop()``
+    returns True (the gateway draining) open feeds end and new ones are refused (503)."""
 
     def __init__(self, snapshot: Snapshot, interval_s: float = 1.0, *, stop: Callable[[], bool] | None = None) -> None:
         self.snapshot = snapshot
