@@ -28,6 +28,7 @@ from starlette.routing import Route, WebSocketRoute
 
 from gateway.admission import AdmissionApp, Gate
 from gateway.caching import CacheLayer
+from gateway.dashboard import DashboardApp, live_snapshot
 from gateway.dispatch import Dispatcher
 from gateway.diagnosis import Diagnosis
 from gateway.endpoints import CompletionsApp, HealthzApp, JSONApp, MetricsApp, ModelsApp, ReadyzApp, WebSocketApp
@@ -131,6 +132,7 @@ def create_app(settings: Settings, *, metrics: Metrics | None = None) -> Gateway
             await gateway.aclose()
 
     pipeline, gate = gateway.pipeline, gateway.gate
+    dashboard = DashboardApp(live_snapshot(gateway), stop=lambda: gate.draining)
     completions = {
         "/v1/chat/completions": AdmissionApp(CompletionsApp(pipeline, gateway.metrics), gate, "chat", CHAT),
         "/v1/completions": AdmissionApp(CompletionsApp(pipeline, gateway.metrics), gate, "completions", COMPLETION),
@@ -142,6 +144,8 @@ def create_app(settings: Settings, *, metrics: Metrics | None = None) -> Gateway
         Route("/readyz", ReadyzApp(gateway), methods=["GET"]),
         Route("/metrics", MetricsApp(gateway.metrics), methods=["GET"]),
         Route("/debug/latency", JSONApp(gateway.latency), methods=["GET"]),
+        Route("/dashboard", dashboard, methods=["GET"]),
+        Route("/dashboard/feed", dashboard, methods=["GET"]),
         WebSocketRoute("/v1/ws", WebSocketApp(pipeline, gate, gateway.metrics)),
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: _http_error, 405: _http_error})
