@@ -98,6 +98,12 @@ def _central_targets(
         if not avail:
             ejected.append(cluster.name)
             continue
+        measured = [h.ttft_s for h in avail if h.ttft_s is not None]
+        if measured and len(measured) < len(avail):
+            # a replica nobody has measured yet is assumed a little faster than the best
+            # measured one of its cluster (the same model): else it is never chosen, so
+            # never measured, and a fast neighbour starves it for good
+            prior_s = min(prior_s, 0.9 * min(measured))
         costs = {}
         best = math.inf
         best_h = avail[0]

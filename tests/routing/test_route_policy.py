@@ -319,3 +319,18 @@ def test_cascade_verdict(answer, threshold, escalate, mean):
     verdict, measured = cascade_verdict(answer, threshold)
     assert verdict is escalate
     assert measured == (pytest.approx(mean) if mean is not None else None)
+
+
+def test_a_replica_nobody_has_measured_is_tried_rather_than_starved():
+    """Two replicas of one cluster: one measured fast, one never measured. Pessimism about the
+    unmeasured one (the 400 ms prior) would send it nothing, ever; it gets the next request."""
+    config = RoutingConfig(balancer={"affinity": False}, aliases={})
+    specs = (ClusterSpec("usw", ("llama-70b",), ("http://usw-1", "http://usw-2")),)
+    table = RoutingTable.build(config, specs, None)
+    health = HealthState.from_config(config, table.endpoint_ids())
+    health.record_first_token("http://usw-1", 0.05, NOW)
+    chosen = {decide(RouteRequest(model="llama-70b", location=SF), table, health, NOW).target.endpoint for _ in range(5)}
+    assert chosen == {"http://usw-2"}
+    health.record_first_token("http://usw-2", 0.30, NOW)  # measured now, and slower: the fast one wins again
+    chosen = {decide(RouteRequest(model="llama-70b", location=SF), table, health, NOW).target.endpoint for _ in range(5)}
+    assert chosen == {"http://usw-1"}
