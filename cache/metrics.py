@@ -23,6 +23,7 @@ LOOKUP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.
 class CacheMetrics:
     def __init__(self, registry: CollectorRegistry | None = None, prefix: str = "edgegw_cache"):
         self.counts: _Tally[str] = _Tally()
+        self._children: dict[tuple, object] = {}
         r = registry
         self._hits = Counter(f"{prefix}_hits", "Cache hits", ["tier"], registry=r)
         self._misses = Counter(f"{prefix}_misses", "Cache misses", ["tier"], registry=r)
@@ -65,47 +66,55 @@ class CacheMetrics:
             f"{prefix}_memory_entries", "Entries held by the in-memory tier", registry=r
         )
 
+    def _child(self, metric, *labels: str):
+        """``metric.labels(*labels)``, looked up once (``labels`` checks and locks per call)."""
+        key = (metric, labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     def _count(self, name: str, label: str, n: float = 1) -> None:
         self.counts[name] += n
         self.counts[f"{name}:{label}"] += n
 
     def hit(self, tier: str) -> None:
-        self._hits.labels(tier).inc()
+        self._child(self._hits, tier).inc()
         self._count("hits", tier)
 
     def miss(self, tier: str) -> None:
-        self._misses.labels(tier).inc()
+        self._child(self._misses, tier).inc()
         self._count("misses", tier)
 
     def bypass(self, reason: str) -> None:
-        self._bypasses.labels(reason).inc()
+        self._child(self._bypasses, reason).inc()
         self._count("bypasses", reason)
 
     def coalesced(self, scope: str) -> None:
-        self._coalesced.labels(scope).inc()
+        self._child(self._coalesced, scope).inc()
         self._count("coalesced", scope)
 
     def stored(self, tier: str, nbytes: int) -> None:
-        self._stores.labels(tier).inc()
-        self._stored_bytes.labels(tier).inc(nbytes)
+        self._child(self._stores, tier).inc()
+        self._child(self._stored_bytes, tier).inc(nbytes)
         self._count("stores", tier)
         self._count("stored_bytes", tier, nbytes)
 
     def evicted(self, tier: str, n: int = 1) -> None:
-        self._evictions.labels(tier).inc(n)
+        self._child(self._evictions, tier).inc(n)
         self._count("evictions", tier, n)
 
     def rejected(self, tier: str, reason: str) -> None:
-        self._rejected.labels(tier, reason).inc()
+        self._child(self._rejected, tier, reason).inc()
         self._count("rejected", f"{tier}:{reason}")
 
     def error(self, backend: str, op: str) -> None:
-        self._errors.labels(backend, op).inc()
+        self._child(self._errors, backend, op).inc()
         self._count("errors", f"{backend}:{op}")
 
     def skipped(self, backend: str, op: str) -> None:
         """A call not made because the backend's circuit is open (after an error)."""
-        self._skipped.labels(backend, op).inc()
+        self._child(self._skipped, backend, op).inc()
         self._count("skipped", f"{backend}:{op}")
 
     def looked_up(self, tier: str, hit: bool, started: float) -> None:
@@ -118,7 +127,7 @@ class CacheMetrics:
         self.observe_lookup(tier, time.perf_counter() - started)
 
     def observe_lookup(self, tier: str, seconds: float) -> None:
-        self._lookup.labels(tier).observe(seconds)
+        self._child(self._lookup, tier).observe(seconds)
         self.counts["lookups"] += 1
 
     def memory_usage(self, nbytes: int, entries: int) -> None:

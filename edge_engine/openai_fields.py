@@ -132,10 +132,13 @@ _COMPLETION: dict[str, Callable[[Any], None]] = {
 }
 
 
-def check_request(kind: str, body: dict) -> None:
+def check_request(kind: str, body: dict, raw: bytes | None = None) -> None:
     """Raise ``InvalidRequestError`` for the first malformed field of a chat (``kind="chat"``)
-    or completions request ``body`` (a dict already parsed from JSON)."""
-    if too_deep(body, MAX_DEPTH):
+    or completions request ``body`` (a dict already parsed from JSON; ``raw``, when given,
+    the JSON it was parsed from)."""
+    # a document cannot nest deeper than it has brackets: counting bytes spares the walk
+    shallow = raw is not None and raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH
+    if not shallow and too_deep(body, MAX_DEPTH):
         raise _bad(f"the request nests JSON more than {MAX_DEPTH} levels deep", "body")
     if kind == "chat":
         _messages(body.get("messages"))
@@ -143,27 +146,27 @@ def check_request(kind: str, body: dict) -> None:
     else:
         _prompt(body.get("prompt"))
         fields = _COMPLETION
-    for name, check in fields.items():
-        value = body.get(name)
-        if value is not None:
+    for name, value in body.items():  # a request names a few of the fields: walk its own
+        check = fields.get(name)
+        if check is not None and value is not None:
             check(value)
 
 
 def too_deep(value: Any, limit: int) -> bool:
     """Whether ``value`` nests lists and objects more than ``limit`` levels (iteratively: a
     hostile document must not exhaust the stack checking it)."""
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict):
-            children = item.values()
-        elif isinstance(item, list):
-            children = item
-        else:
-            continue
+    level = [value] if isinstance(value, (dict, list)) else []
+    depth = 1
+    while level:  # the containers at ``depth``, a level at a time
         if depth > limit:
             return True
-        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+        deeper = []
+        for item in level:
+            for child in item.values() if isinstance(item, dict) else item:
+                if isinstance(child, (dict, list)):
+                    deeper.append(child)
+        level = deeper
+        depth += 1
     return False
 
 

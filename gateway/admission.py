@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 import time
-import uuid
 
 from gateway.errors import (
     ClientGone,
@@ -47,6 +47,7 @@ from gateway.errors import (
 )
 from gateway.forwarding import HeaderPolicy
 from gateway.observability import Metrics, Observer, Timing
+from gateway.timeouts import Watch, watchdog
 from gateway.openai import LARGE, ParsedRequest, parse_request
 from gateway.ratelimit import RateLimiter
 from gateway.settings import Settings
@@ -64,7 +65,7 @@ def request_id_of(headers: list[tuple[bytes, bytes]]) -> bytes:
     for name, value in headers:
         if name == b"x-request-id" and _SAFE_ID.match(value):
             return value
-    return uuid.uuid4().hex.encode()
+    return os.urandom(16).hex().encode()  # a uuid4's randomness without building a UUID
 
 
 class RequestContext:
@@ -326,20 +327,43 @@ async def read_body(scope: dict, receive, limit: int, timeout: float) -> bytes:
             break
     chunks = []
     size = 0
+    dog = watchdog()
+    deadline = _BodyDeadline(asyncio.current_task(), dog.loop.time() + timeout)
+    dog.add(deadline)
     try:
-        async with asyncio.timeout(timeout):
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    raise ClientGone
-                chunk = message.get("body", b"")
-                if chunk:
-                    size += len(chunk)
-                    if size > limit:
-                        raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-                    chunks.append(chunk)
-                if not message.get("more_body", False):
-                    break
-    except TimeoutError:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGone
+            chunk = message.get("body", b"")
+            if chunk:
+                size += len(chunk)
+                if size > limit:
+                    raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+                chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+    except asyncio.CancelledError:
+        if not deadline.expired:
+            raise
+        asyncio.current_task().uncancel()
         raise RequestTimeout(f"the request body did not arrive within {timeout:g} s") from None
+    finally:
+        dog.discard(deadline)
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+class _BodyDeadline(Watch):
+    __slots__ = ("task", "deadline", "expired")
+
+    def __init__(self, task: asyncio.Task, deadline: float) -> None:
+        self.task = task
+        self.deadline = deadline
+        self.expired = False
+
+    def overdue(self, now: float) -> bool:
+        return now >= self.deadline
+
+    def expire(self) -> None:
+        self.expired = True
+        self.task.cancel()

@@ -327,7 +327,7 @@ class Fleet:
         reply = UpstreamReply(
             response, upstream, feed, sent_at, limits.keepalive_interval_s, limits.max_event_bytes, limits.max_response_bytes
         )
-        self.metrics.upstream_requests.labels(upstream.url, response.protocol).inc()
+        self.metrics.child(self.metrics.upstream_requests, upstream.url, response.protocol).inc()
         if response.status >= 500:
             self.metrics.upstream_errors.labels(upstream.url, f"http_{response.status}").inc()
             reply.finish(False, 0, time.monotonic())

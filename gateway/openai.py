@@ -82,7 +82,7 @@ def parse_request(kind: str | None, body: bytes) -> ParsedRequest:
     if not isinstance(model, str) or not model:
         raise InvalidRequest("model must be a non-empty string", param="model", code="invalid_type")
     try:
-        check_request(kind, data)  # the engine's rules: one validator for both
+        check_request(kind, data, body)  # the engine's rules: one validator for both
     except InvalidRequestError as exc:
         raise InvalidRequest(exc.message, param=exc.param, code=exc.code) from None
     return ParsedRequest(kind, data, body, len(body))

@@ -28,6 +28,7 @@ import orjson
 from cache import is_usage_chunk
 from gateway.errors import GatewayError, Overloaded, UpstreamProtocolError, UpstreamReadTimeout
 from gateway.upstream.base import Body
+from gateway.timeouts import Watch, watchdog
 
 if TYPE_CHECKING:  # annotations only: the pipeline imports this module
     from gateway.admission import RequestContext
@@ -275,29 +276,30 @@ async def respond_json(send, ctx: RequestContext, answer: Answer, series: Series
         reply.finish(True, 1, time.monotonic())
 
 
-class Stall:
+class Stall(Watch):
     """Ends an answer whose client has accepted nothing for ``timeout`` seconds (nginx's
     ``send_timeout``): the request task is cancelled as if the client had left, which closes
     the reply and cancels the upstream request. The hot path only notes when a send starts
-    and ends; one timer per answer checks, every half ``timeout``."""
+    and ends; the loop's watchdog (``gateway.timeouts``) looks for a send under way too long."""
 
-    __slots__ = ("ctx", "task", "timeout", "sending", "_loop", "_timer")
+    __slots__ = ("ctx", "task", "timeout", "sending", "_loop", "_dog")
 
     def __init__(self, ctx: RequestContext, timeout: float) -> None:
         self.ctx = ctx
         self.task = asyncio.current_task()
         self.timeout = timeout
         self.sending = 0.0  # loop.time() when the send under way began; 0: none
-        self._loop = asyncio.get_running_loop()
-        self._timer = self._loop.call_later(timeout / 2, self._check)
+        self._dog = watchdog()
+        self._loop = self._dog.loop
+        self._dog.add(self)
 
-    def _check(self) -> None:
-        if self.sending and self._loop.time() - self.sending >= self.timeout:
-            self.ctx.gone = True  # for all purposes: nobody is reading
-            self.ctx.stalled = True
-            self.task.cancel()
-            return
-        self._timer = self._loop.call_later(self.timeout / 2, self._check)
+    def overdue(self, now: float) -> bool:
+        return bool(self.sending) and now - self.sending >= self.timeout
+
+    def expire(self) -> None:
+        self.ctx.gone = True  # for all purposes: nobody is reading
+        self.ctx.stalled = True
+        self.task.cancel()
 
     async def send(self, send, message: dict) -> None:
         self.sending = self._loop.time()
@@ -305,7 +307,7 @@ class Stall:
         self.sending = 0.0
 
     def stop(self) -> None:
-        self._timer.cancel()
+        self._dog.discard(self)
 
 
 async def respond_sse(send, ctx: RequestContext, answer: Answer, series: Series) -> None:

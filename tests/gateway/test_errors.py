@@ -103,6 +103,26 @@ def test_chunked_body_over_the_limit_is_413_while_still_sending(gw):
     assert b'"code":"request_too_large"' in answer
 
 
+def test_a_body_that_does_not_arrive_in_time_is_408_and_holds_no_slot(upstreams, gateways):
+    """A client that sends its headers and half a body, then nothing: after
+    ``limits.body_timeout_s`` it gets a 408, and other requests were served meanwhile."""
+    fake = upstreams()
+    gw = gateways({"clusters": [cluster(fake)], "limits": {"body_timeout_s": 0.5, "max_in_flight": 1}})
+    host, port = gw.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{")
+        served = httpx.post(gw.url + "/v1/chat/completions", json=CHAT)  # the slow body holds no slot
+        answer = b""
+        while not answer.endswith(b"}"):
+            data = sock.recv(65536)
+            if not data:
+                break
+            answer += data
+    assert served.status_code == 200
+    assert answer.startswith(b"HTTP/1.1 408 ")
+    assert b'"code":"request_timeout"' in answer
+
+
 def test_unknown_route_and_method(gw):
     assert_openai_error_plain(httpx.get(gw.url + "/v1/nothing"), 404)
     assert_openai_error_plain(httpx.get(gw.url + "/v1/chat/completions"), 405)

@@ -11,6 +11,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from tests.conftest import cluster
 
@@ -239,3 +240,39 @@ def test_a_network_bound_target(upstreams, gateways):
         loop.call_soon_threadsafe(stop.set)
         thread.join(5)
         loop.close()
+
+
+def test_the_hot_path_histogram_exposes_what_prometheus_clients_own_would():
+    """``gateway.observability.Histogram`` (no locks, per-bucket counts summed at scrape
+    time) against ``prometheus_client.Histogram`` fed the same values: the same text."""
+    import random
+
+    import prometheus_client
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from gateway.observability import _LATENCY_BUCKETS, Histogram
+
+    ours, theirs = prometheus_client.CollectorRegistry(), prometheus_client.CollectorRegistry()
+    lean = Histogram("x_seconds", "x", ["stage"], buckets=_LATENCY_BUCKETS, registry=ours)
+    reference = prometheus_client.Histogram("x_seconds", "x", ["stage"], buckets=_LATENCY_BUCKETS, registry=theirs)
+    rng = random.Random(7)
+    values = [rng.lognormvariate(-4, 2) for _ in range(2000)] + list(_LATENCY_BUCKETS) + [500.0]  # bounds are inclusive
+    for i, value in enumerate(values):
+        stage = ("queue", "upstream")[i % 2]
+        lean.labels(stage).observe(value)
+        reference.labels(stage).observe(value)
+
+    def samples(registry) -> dict:
+        text = prometheus_client.generate_latest(registry).decode()
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if not s.name.endswith("_created")
+        }
+
+    got, want = samples(ours), samples(theirs)
+    assert set(got) == set(want)
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value), key
+    assert got[("x_seconds_count", (("stage", "queue"),))] == 1009
