@@ -24,6 +24,7 @@ import uvicorn
 from cache import CacheConfig
 from gateway.app import create_app
 from gateway.ingress import Server
+from gateway.ingress.http1 import H1Protocol
 from gateway.observability import redact_logs
 from gateway.settings import ConfigError, Settings, load_settings, quickstart_settings
 from loadgen import cli as bench_cli
@@ -173,13 +174,23 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 2
     listen = settings.listen
     logging.basicConfig(level=listen.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = uvicorn.Config(
-        create_app(settings),
+    config = uvicorn_config(settings, create_app(settings))
+    redact_logs("uvicorn", "uvicorn.error", "uvicorn.access")  # no key in any log line, at any level
+    server = _DrainingServer(config, listen, high_water=settings.limits.stream_buffer_bytes)
+    server.run()
+    return 0
+
+
+def uvicorn_config(settings: Settings, app, **overrides) -> uvicorn.Config:
+    """How ``edgegw serve`` runs ``app`` under uvicorn (the tests run it the same way, with
+    ``overrides`` of ``uvicorn.Config``'s arguments)."""
+    listen = settings.listen
+    options = dict(
         host=listen.host,
         port=listen.port,
         workers=None,
         loop="auto",
-        http="httptools",
+        http=H1Protocol.with_limits(settings.limits),  # uvicorn's httptools + header limits and timeout
         ws="auto",
         lifespan="on",
         log_level=listen.log_level,
@@ -190,10 +201,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         limit_concurrency=settings.limits.max_connections,
         proxy_headers=False,  # X-Forwarded-For is honoured by routing, from trusted proxies only
     )
-    redact_logs("uvicorn", "uvicorn.error", "uvicorn.access")  # no key in any log line, at any level
-    server = _DrainingServer(config, listen, high_water=settings.limits.stream_buffer_bytes)
-    server.run()
-    return 0
+    return uvicorn.Config(app, **{**options, **overrides})
 
 
 def _override(settings: Settings, args: argparse.Namespace) -> Settings:

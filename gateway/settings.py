@@ -106,6 +106,9 @@ class ListenSettings(_Model):
 class LimitSettings(_Model):
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)  # largest request body accepted (413 above)
     body_timeout_s: float = Field(30.0, gt=0)  # the whole body must arrive this soon after the headers (408)
+    header_timeout_s: float = Field(10.0, gt=0)  # a request's line and headers must arrive this soon (408, connection closed)
+    max_header_bytes: int = Field(64 * 1024, ge=1024)  # request line + headers (431, connection closed)
+    max_header_count: int = Field(100, ge=8)  # headers per request (431, connection closed)
     max_response_bytes: int = Field(16 * 1024 * 1024, ge=1024)  # largest non-streaming upstream body relayed
     max_in_flight: int = Field(1024, ge=1)  # concurrent requests before 503 + Retry-After
     max_connections: int = Field(4096, ge=1)  # open client connections before new ones get 503 (uvicorn's limit)

@@ -17,6 +17,7 @@ import uvicorn
 import yaml
 
 from gateway.app import create_app
+from gateway.cli import uvicorn_config
 from gateway.settings import Settings
 from bench.fakes import honour_h2_flow_control
 from tests.fakes import FakeUpstream, free_port, make_certificate
@@ -33,16 +34,7 @@ class GatewayThread:
         self.settings = settings
         self.url = f"http://127.0.0.1:{port}"
         self.app = create_app(settings)
-        config = uvicorn.Config(
-            self.app,
-            host="127.0.0.1",
-            port=port,
-            log_level="error",
-            lifespan="on",
-            http="httptools",
-            ws="auto",
-            proxy_headers=False,  # as `edgegw serve`: forwarding headers are routing's business
-        )
+        config = uvicorn_config(settings, self.app, log_level="error")  # as `edgegw serve` runs it
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self._run, daemon=True, name=f"gateway-{port}")
 

@@ -1,4 +1,9 @@
-"""Listeners beside uvicorn's plain HTTP/1.1 one: HTTPS (HTTP/1.1 + HTTP/2 by ALPN) and HTTP/3.
+"""The gateway's listeners: uvicorn's HTTP/1.1 one hardened, and beside it HTTPS (HTTP/1.1 +
+HTTP/2 by ALPN) and HTTP/3.
+
+The plain listener (and HTTP/1.1 over TLS) runs ``http1.py``'s ``H1Protocol``: uvicorn's
+httptools protocol with a header timeout, header count and size limits, and JSON answers
+for what the parser refuses.
 
 For gateway-to-gateway traffic (an edge edgegw talking to a central one), where TLS is
 needed and HTTP/2 or HTTP/3 multiplexing pays. Each serves any ASGI app, keeps
@@ -14,10 +19,12 @@ resets its stream is an ``http.disconnect``):
 from gateway.ingress.asgi import RequestStream
 from gateway.ingress.h2 import H2ServerProtocol
 from gateway.ingress.h3 import H3Listener, TicketStore, serve_http3
+from gateway.ingress.http1 import H1Protocol
 from gateway.ingress.server import AltSvcApp, Server, tls_context
 
 __all__ = [
     "AltSvcApp",
+    "H1Protocol",
     "H2ServerProtocol",
     "H3Listener",
     "RequestStream",

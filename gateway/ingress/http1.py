@@ -1,0 +1,216 @@
+"""The HTTP/1.1 listener's protocol: uvicorn's httptools protocol with a client's limits.
+
+uvicorn's ``HttpToolsProtocol`` parses fast but trusts the client with the head of a
+request: a connection that never completes its headers (slowloris), or never sends a byte,
+stays open for ever and counts against ``limit_concurrency``; headers have no count or
+size limit (httptools buffers a header value until it ends, however long); parser errors
+are answered in plain text. ``H1Protocol`` adds, per connection:
+
+- ``limits.header_timeout_s``: from the connection's start, or from a request's first
+  byte, its whole head (request line and headers) must arrive this soon, else ``408`` and
+  the connection is closed (nginx's ``client_header_timeout``). The wait between requests
+  on a kept-alive connection stays uvicorn's ``timeout_keep_alive``;
+- ``limits.max_header_bytes`` and ``limits.max_header_count``: past either, ``431`` and
+  close (counted as the parser hands over the URL and each header, and as raw bytes
+  arrive while a head is incomplete, so an endless header is cut off within one read);
+- OpenAI-shaped JSON for what the parser refuses (``400``: malformed request line, unknown
+  method, smuggling attempts) and for ``limits.max_connections`` (``503`` with
+  ``Retry-After``).
+
+Timeouts go through the loop's watchdog (``gateway.timeouts``): no timer per request.
+"""
+
+from __future__ import annotations
+
+import httptools
+import orjson
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from gateway.settings import LimitSettings
+from gateway.timeouts import Watch, watchdog
+
+__all__ = ["H1Protocol"]
+
+_REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+
+
+class _TooLarge(Exception):
+    """Raised from a parser callback to stop parsing a head over the limits."""
+
+
+class H1Protocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with header limits and a header timeout; made for a
+    gateway's limits by ``H1Protocol.with_limits`` (uvicorn instantiates the class)."""
+
+    limits: LimitSettings = LimitSettings()
+
+    @classmethod
+    def with_limits(cls, limits: LimitSettings) -> type[H1Protocol]:
+        return type(cls.__name__, (cls,), {"limits": limits})
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._max_connections = self.limit_concurrency
+        self.limit_concurrency = None  # checked here, to answer in JSON
+        self._app = self.app
+        self._in_head = False  # the head of a request is arriving
+        self._head_bytes = 0
+        self._head_size = 0
+        self._header_count = 0
+        self._deadline = _HeadDeadline(self)
+        self._dog = watchdog()
+
+    # -- the head's deadline ----------------------------------------------------------
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm()  # a connection that never sends a byte must not stay for ever
+
+    def connection_lost(self, exc) -> None:
+        self._dog.discard(self._deadline)
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        self._deadline.at = self._dog.loop.time() + self.limits.header_timeout_s
+        self._dog.add(self._deadline)
+
+    def head_timed_out(self) -> None:
+        if self.transport is None or self.transport.is_closing():
+            return
+        self.logger.info("closing a connection whose request head did not arrive within %g s", self.limits.header_timeout_s)
+        self._refuse(408, "request_timeout", f"the request headers did not arrive within {self.limits.header_timeout_s:g} s")
+
+    # -- parsing --------------------------------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:
+            if isinstance(exc.__context__, _TooLarge):
+                self._refuse(431, "request_header_fields_too_large", str(exc.__context__))
+            else:
+                self._refuse(400, "invalid_http_request", "Invalid HTTP request received.")
+            return
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+            return
+        except httptools.HttpParserError as exc:
+            self.logger.info("invalid HTTP request: %s", exc)
+            self._refuse(400, "invalid_http_request", _parser_message(exc))
+            return
+        if self._in_head:
+            self._head_bytes += len(data)
+            if self._head_bytes > self.limits.max_header_bytes:
+                self._refuse(431, "request_header_fields_too_large", _too_many_bytes(self.limits.max_header_bytes))
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._in_head = True
+        self._head_bytes = 0  # bytes received while the head is incomplete (what httptools buffers)
+        self._head_size = 0  # the parsed head: URL, names and values
+        self._header_count = 0
+        if self._deadline not in self._dog.watches:  # a new connection's first request: from the connect
+            self._arm()
+
+    def on_url(self, url: bytes) -> None:
+        self._head_size += len(url)
+        if self._head_size > self.limits.max_header_bytes:
+            raise _TooLarge(_too_many_bytes(self.limits.max_header_bytes))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_count += 1
+        if self._header_count > self.limits.max_header_count:
+            raise _TooLarge(f"a request may have at most {self.limits.max_header_count} headers")
+        self._head_size += len(name) + len(value) + 4
+        if self._head_size > self.limits.max_header_bytes:
+            raise _TooLarge(_too_many_bytes(self.limits.max_header_bytes))
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._dog.discard(self._deadline)
+        limit = self._max_connections
+        # this connection is one of ``connections``: the limit-th is still served
+        if limit is not None and (len(self.connections) > limit or len(self.tasks) >= limit):
+            self.logger.warning("over limits.max_connections (%d): answering 503", limit)
+            self.app = self._overloaded
+            try:
+                super().on_headers_complete()
+            finally:
+                self.app = self._app
+        else:
+            super().on_headers_complete()
+
+    def send_400_response(self, msg: str) -> None:
+        self._refuse(400, "invalid_http_request", msg)
+
+    # -- answers of our own ---------------------------------------------------------------
+
+    def _refuse(self, status: int, code: str, message: str) -> None:
+        """Answer ``status`` with an OpenAI error and close; when a response of an earlier
+        request on this connection is still under way, only close (bytes of ours would
+        land inside it)."""
+        self._dog.discard(self._deadline)
+        if self.transport is None or self.transport.is_closing():
+            return
+        if self.cycle is None or self.cycle.response_complete:
+            body = _error_body(status, code, message)
+            head = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS[status])]
+            for name, value in self.server_state.default_headers:
+                head.append(name + b": " + value + b"\r\n")
+            head.append(b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(body))
+            self.transport.write(b"".join(head) + body)
+        self.transport.close()
+
+    async def _overloaded(self, scope, receive, send) -> None:
+        retry_after = self.limits.retry_after_s
+        body = _error_body(503, "too_many_connections", "the gateway has as many connections as it accepts; retry shortly")
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 503,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", b"%d" % len(body)),
+                    (b"retry-after", b"%d" % max(1, round(retry_after))),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+
+class _HeadDeadline(Watch):
+    __slots__ = ("protocol", "at")
+
+    def __init__(self, protocol: H1Protocol) -> None:
+        self.protocol = protocol
+        self.at = 0.0
+
+    def overdue(self, now: float) -> bool:
+        return now >= self.at
+
+    def expire(self) -> None:
+        self.protocol.head_timed_out()
+
+
+def _error_body(status: int, code: str, message: str) -> bytes:
+    type_ = "server_error" if status >= 500 else "invalid_request_error"
+    return orjson.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}})
+
+
+def _too_many_bytes(limit: int) -> str:
+    return f"the request line and headers may take at most {limit} bytes"
+
+
+def _parser_message(exc: httptools.HttpParserError) -> str:
+    if isinstance(exc, httptools.HttpParserInvalidMethodError):
+        return "Invalid HTTP request received: unknown method."
+    if isinstance(exc, httptools.HttpParserInvalidURLError):
+        return "Invalid HTTP request received: malformed URL."
+    return "Invalid HTTP request received."

@@ -1,0 +1,158 @@
+"""The HTTP/1.1 listener against clients that send their heads slowly, endlessly or wrongly:
+each is answered in OpenAI-shaped JSON and closed, and nobody else notices."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import cluster
+
+CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}]}
+
+
+@pytest.fixture
+def gw(upstreams, gateways):
+    fake = upstreams()
+    limits = {"header_timeout_s": 0.6, "max_header_bytes": 8192, "max_header_count": 20, "max_connections": 64}
+    return gateways({"clusters": [cluster(fake)], "limits": limits})
+
+
+def connect(gw) -> socket.socket:
+    host, port = gw.url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=5)
+
+
+def read_all(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    data = b""
+    while True:
+        try:
+            chunk = sock.recv(65536)
+        except ConnectionResetError:
+            break
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def error_of(answer: bytes, status: int) -> dict:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 %d " % status), answer[:200]
+    assert b"content-type: application/json" in head.lower()
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+def test_a_head_sent_a_byte_at_a_time_is_cut_off_with_408_while_others_are_served(gw):
+    with connect(gw) as sock:
+        started = time.monotonic()
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\n")
+        served = 0
+        try:
+            for byte in b"host: x\r\nx-slow: " + b"a" * 100:  # slowloris: a byte every 50 ms, never the end
+                sock.sendall(bytes([byte]))
+                if served < 3:
+                    assert httpx.post(gw.url + "/v1/chat/completions", json=CHAT).status_code == 200
+                    served += 1
+                time.sleep(0.05)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        answer = read_all(sock)
+        took = time.monotonic() - started
+    assert error_of(answer, 408)["code"] == "request_timeout"
+    assert took < 3.0  # cut at the header timeout (0.6 s + the sweep), not when the client stopped
+    assert served == 3
+
+
+def test_a_connection_that_sends_nothing_is_closed(gw):
+    with connect(gw) as sock:
+        started = time.monotonic()
+        answer = read_all(sock)
+    assert time.monotonic() - started < 3.0
+    assert error_of(answer, 408)["code"] == "request_timeout"
+
+
+def test_a_kept_alive_connection_serves_request_after_request(gw):
+    with httpx.Client() as client:
+        for _ in range(5):
+            assert client.post(gw.url + "/v1/chat/completions", json=CHAT).status_code == 200
+            time.sleep(0.2)  # together longer than the header timeout: it counts per request head
+
+
+def test_too_many_headers_is_431(gw):
+    with connect(gw) as sock:
+        headers = b"".join(b"x-h%d: v\r\n" % i for i in range(25))
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n" + headers + b"content-length: 2\r\n\r\n{}")
+        error = error_of(read_all(sock), 431)
+    assert error["code"] == "request_header_fields_too_large" and "20 headers" in error["message"]
+    many = {f"x-h{i}": "v" for i in range(12)}
+    assert httpx.post(gw.url + "/v1/chat/completions", json=CHAT, headers=many).status_code == 200
+
+
+def test_an_endless_header_is_cut_off_with_431_long_before_its_end(gw):
+    with connect(gw) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-big: ")
+        sent = 0
+        try:
+            for _ in range(16 * 1024):  # would be 64 MiB
+                sock.sendall(b"a" * 4096)
+                sent += 4096
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        answer = read_all(sock)
+    assert sent < 4 * 1024 * 1024
+    if answer:  # the 431 may be lost to the reset of a connection closed with unread data
+        assert error_of(answer, 431)["code"] == "request_header_fields_too_large"
+    assert httpx.post(gw.url + "/v1/chat/completions", json=CHAT).status_code == 200
+
+
+def test_a_large_header_below_the_limit_passes_and_one_above_is_431(gw):
+    assert httpx.post(gw.url + "/v1/chat/completions", json=CHAT, headers={"x-big": "a" * 6000}).status_code == 200
+    with connect(gw) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 9000 + b"\r\ncontent-length: 2\r\n\r\n{}")
+        assert error_of(read_all(sock), 431)["code"] == "request_header_fields_too_large"
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        pytest.param(b"FOO /v1/models HTTP/1.1\r\nhost: x\r\n\r\n", id="unknown-method"),
+        pytest.param(b"GET /v1/models HTTP/9.9\r\nhost: x\r\n\r\n", id="bad-version"),
+        pytest.param(b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03", id="tls-to-plain-port"),
+        pytest.param(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n",
+            id="smuggling-cl-te",
+        ),
+        pytest.param(b"GET /v1/models HTTP/1.1\r\nbad header\r\n\r\n", id="header-without-colon"),
+    ],
+)
+def test_what_the_parser_refuses_is_an_openai_400(gw, request_bytes):
+    with connect(gw) as sock:
+        sock.sendall(request_bytes)
+        error = error_of(read_all(sock), 400)
+    assert error["code"] == "invalid_http_request" and error["type"] == "invalid_request_error"
+
+
+def test_past_max_connections_a_client_gets_a_json_503_with_retry_after(upstreams, gateways):
+    fake = upstreams()
+    gw = gateways({"clusters": [cluster(fake)], "limits": {"max_connections": 2}})
+    held = [httpx.Client() for _ in range(2)]
+    try:
+        for client in held:  # two kept-alive connections
+            assert client.get(gw.url + "/healthz").status_code == 200
+        refused = httpx.get(gw.url + "/healthz")
+        assert refused.status_code == 503
+        assert refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["code"] == "too_many_connections"
+    finally:
+        for client in held:
+            client.close()
+    time.sleep(0.2)
+    assert httpx.get(gw.url + "/healthz").status_code == 200
