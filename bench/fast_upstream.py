@@ -5,6 +5,7 @@ benchmark measures. Answers
 
     POST /v1/chat/completions, /v1/completions   JSON, or SSE when "stream": true
     GET  /v1/models, /health
+    POST /v1/traces                               200, empty (an OTLP/HTTP sink for traced gateways)
 
 The answers have the shape of ``bench/fakes.py`` (same ids, fields and token texts): a stream
 is ``--tokens`` content chunks, one chunk with ``finish_reason: "stop"``, then
@@ -73,6 +74,7 @@ class Answers:
         data = [{"id": m, "object": "model", "created": 0, "owned_by": "fake"} for m in models]
         self.model_list = _json_response(200, {"object": "list", "data": data})
         self.health = _json_response(200, {"status": "ok"})
+        self.accepted = _head(200, [("content-type", "application/x-protobuf"), ("content-length", "0")])
         self.not_found = _json_response(404, {"error": {"message": "not found", "type": "invalid_request_error"}})
         self.sse_head = _head(
             200,
@@ -178,6 +180,9 @@ class Connection(asyncio.Protocol):
                 self.transport.write(answers.health)
             else:
                 self.transport.write(answers.not_found)
+            return
+        if path == b"/v1/traces":  # an OTLP/HTTP sink: spans accepted and dropped
+            self.transport.write(answers.accepted)
             return
         if path not in (b"/v1/chat/completions", b"/v1/completions"):
             self.transport.write(answers.not_found)

@@ -1,6 +1,6 @@
 """Relay benchmark: the direct path against the path through the gateway, in one run.
 
-    .venv/bin/python bench/relay.py [--quick] [--reps 3] [--no-h2] [--json FILE]
+    .venv/bin/python bench/relay.py [--quick] [--reps 3] [--no-h2] [--traces] [--json FILE]
     .venv/bin/python bench/relay.py --profile [--profile-seconds 12]      # + py-spy
 
 Processes (each started here, stopped here by PID; traffic only on 127.0.0.1):
@@ -11,7 +11,9 @@ Processes (each started here, stopped here by PID; traffic only on 127.0.0.1):
   hypercorn: h1 and h2c on one port), also ``taskset -c 1``;
 - the gateway, ``taskset -c 0 python -m gateway serve --config <tmp yaml>``, once with
   ``protocol: http1`` towards the fast upstream and once with ``protocol: http2`` towards
-  hypercorn (``pool_size: 128, warm_connections: 8``);
+  hypercorn (``pool_size: 128, warm_connections: 8``); with ``--traces`` also a third,
+  as the first but tracing every request (OpenTelemetry, ``sample_ratio: 1``) with its
+  spans exported over OTLP/HTTP to a sink in the fast upstream (``POST /v1/traces``);
 - the load generator is this process, pinned to core 1 (with the upstreams): a raw
   asyncio (uvloop) + httptools keep-alive HTTP/1.1 client, a few tens of µs per request.
 
@@ -375,8 +377,8 @@ class Target:
     gateway: Child | None
 
 
-def gateway_config(upstream_port: int, protocol: str, port: int) -> dict:
-    return {
+def gateway_config(upstream_port: int, protocol: str, port: int, traces: bool = False) -> dict:
+    config = {
         "clusters": [
             {
                 "name": "bench",
@@ -393,9 +395,12 @@ def gateway_config(upstream_port: int, protocol: str, port: int) -> dict:
         ],
         "listen": {"host": "127.0.0.1", "port": port},
     }
+    if traces:  # every request traced (sample_ratio 1), spans exported to the fast upstream's sink
+        config["tracing"] = {"endpoint": f"http://127.0.0.1:{upstream_port}/v1/traces", "sample_ratio": 1.0}
+    return config
 
 
-def start_processes(tmp: str, with_h2: bool, gateway_root: str) -> tuple[list[Child], dict[str, Target]]:
+def start_processes(tmp: str, with_h2: bool, gateway_root: str, with_traces: bool = False) -> tuple[list[Child], dict[str, Target]]:
     children: list[Child] = []
     targets: dict[str, Target] = {}
 
@@ -408,18 +413,20 @@ def start_processes(tmp: str, with_h2: bool, gateway_root: str) -> tuple[list[Ch
     fast = child("fast-upstream", OTHER_CORE, [PY, "bench/fast_upstream.py", "--port", str(fast_port), "--tokens", str(TOKENS), "--model", MODEL])
     fast.wait_http(fast_port, "/health")
     targets["direct-h1"] = Target("direct-h1", fast_port, None)
-    gw_specs = [("gw-h1", fast_port, "http1")]
+    gw_specs = [("gw-h1", fast_port, "http1", False)]
+    if with_traces:
+        gw_specs.append(("gw-h1-traced", fast_port, "http1", True))
     if with_h2:
         hc_port = free_port()
         hc = child("hypercorn-upstream", OTHER_CORE, [PY, "bench/fast_upstream.py", "--port", str(hc_port), "--tokens", str(TOKENS), "--model", MODEL, "--hypercorn"])
         hc.wait_http(hc_port, "/health")
         targets["direct-hc"] = Target("direct-hc", hc_port, None)
-        gw_specs.append(("gw-h2", hc_port, "http2"))
-    for key, upstream_port, protocol in gw_specs:
+        gw_specs.append(("gw-h2", hc_port, "http2", False))
+    for key, upstream_port, protocol, traces in gw_specs:
         port = free_port()
         path = os.path.join(tmp, f"{key}.yaml")
         with open(path, "w") as f:
-            yaml.safe_dump(gateway_config(upstream_port, protocol, port), f)
+            yaml.safe_dump(gateway_config(upstream_port, protocol, port, traces), f)
         gw = child(key, GATEWAY_CORE, [PY, "-m", "gateway", "serve", "--config", path], cwd=gateway_root)
         gw.wait_http(port, "/readyz")
         targets[key] = Target(key, port, gw)
@@ -473,6 +480,8 @@ def f(x: float, digits: int = 2) -> str:
 def report(results: dict, peaks: dict[str, int], command: str, reps: int, revision: str) -> str:
     out = []
     variants = [("h1", "direct-h1", "gw-h1", "HTTP/1.1 → fast upstream")]
+    if "gw-h1-traced" in results:
+        variants.append(("h1 + traces", "direct-h1", "gw-h1-traced", "as h1, every request traced, OTLP/HTTP export"))
     if "gw-h2" in results:
         variants.append(("h2", "direct-hc", "gw-h2", "HTTP/2 (h2c) → hypercorn bench/fakes.py; direct = hypercorn over h1"))
     out.append(f"Command: `{command}`  ")
@@ -665,6 +674,9 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="a tenth of the requests, one repetition (smoke test)")
     parser.add_argument("--reps", type=int, default=None, help="repetitions (default 3, --quick 1)")
     parser.add_argument("--no-h2", action="store_true", help="skip the HTTP/2 (hypercorn h2c) variant")
+    parser.add_argument(
+        "--traces", action="store_true", help="also a gateway tracing every request (OTLP/HTTP to a sink in the fast upstream)"
+    )
     parser.add_argument("--json", metavar="FILE", help="also write the per-repetition figures as JSON")
     parser.add_argument("--profile", action="store_true", help="then py-spy the h1 gateway under json c=16 and SSE c=64")
     parser.add_argument("--profile-seconds", type=float, default=12)
@@ -704,7 +716,7 @@ def main() -> int:
     tmp = tempfile.mkdtemp(prefix="edgegw-relay-")
     children: list[Child] = []
     try:
-        children, targets = start_processes(tmp, with_h2, gateway_root)
+        children, targets = start_processes(tmp, with_h2, gateway_root, args.traces and not args.profile_only)
         if not args.profile_only:
             results = runner(measure(targets, reps, scale))
             peaks = {t.key: t.gateway.peak_rss() for t in targets.values() if t.gateway}
