@@ -72,26 +72,22 @@ def _readable_file(value: str) -> str:
 # -- listen.tls and listen.http3 (issue 13): the gateway-to-gateway listeners ------------------
 
 
-class TLSListenSettings(_Model):
+class _CertificateSettings(_Model):
+    certfile: str  # PEM certificate (chain)
+    keyfile: str  # PEM private key
+
+    @field_validator("certfile", "keyfile")
+    @classmethod
+    def _files_exist(cls, value: str) -> str:
+        return _readable_file(value)
+
+
+class TLSListenSettings(_CertificateSettings):
     port: int = Field(8443, ge=1, le=65535)  # TCP port serving HTTP/1.1 and HTTP/2 over TLS (ALPN)
-    certfile: str  # PEM certificate (chain)
-    keyfile: str  # PEM private key
-
-    @field_validator("certfile", "keyfile")
-    @classmethod
-    def _files_exist(cls, value: str) -> str:
-        return _readable_file(value)
 
 
-class HTTP3ListenSettings(_Model):
+class HTTP3ListenSettings(_CertificateSettings):
     port: int = Field(8443, ge=1, le=65535)  # UDP port serving HTTP/3 (may equal listen.tls.port)
-    certfile: str  # PEM certificate (chain)
-    keyfile: str  # PEM private key
-
-    @field_validator("certfile", "keyfile")
-    @classmethod
-    def _files_exist(cls, value: str) -> str:
-        return _readable_file(value)
 
 
 class ListenSettings(_Model):

@@ -10,15 +10,19 @@ So a slow client slows the upstream, and memory per stream stays bounded.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
 import ssl as ssl_module
 
-from gateway.errors import PayloadTooLarge, UpstreamConnectError, UpstreamReadTimeout
+from gateway.errors import PayloadTooLarge, PoolTimeout, UpstreamConnectError, UpstreamReadTimeout
 
-__all__ = ["Body", "Origin", "UpstreamResponse", "Pool", "Timeouts", "connect", "head_timeout", "rewarm_soon", "wait_closed"]
+__all__ = [
+    "Body", "MultiplexedPool", "Origin", "Pool", "Refused", "Timeouts", "UpstreamResponse",
+    "connect", "head_timeout", "rewarm_soon", "split_status", "stop_pool", "wait_closed",
+]
 
 
 class Timeouts:
@@ -232,6 +236,196 @@ class UpstreamResponse:
 
     def __repr__(self) -> str:
         return f"<UpstreamResponse [{self.status}] buffered={self.body.buffered}>"
+
+
+class Refused(Exception):
+    """The server did not process the stream (GOAWAY or REQUEST_REJECTED past it,
+    REFUSED_STREAM, or the connection went before any answer): safe to send again on
+    another connection."""
+
+
+class MultiplexedPool:
+    """What the HTTP/2 and HTTP/3 pools share: up to ``max_connections`` connections to one
+    origin, each carrying many streams. A request takes the least busy connection with room
+    for a stream; below the maximum and with none free it opens one (one opening at a time,
+    the others wait for it), else it waits up to the pool timeout for a stream to end. A
+    refused stream is sent again, on another connection, up to three times.
+
+    A subclass opens a connection (``_connect``: a protocol with ``streams``,
+    ``has_capacity``, ``exchange`` and ``cancel``, which calls ``_stream_done`` when a stream
+    ends and ``_lost`` when it goes), keeps its pool warm (``warm``) and says when a lost
+    connection is replaced (``_lost``)."""
+
+    protocol: str
+
+    def __init__(self, origin: Origin, *, max_connections: int, warm_connections: int, timeouts: Timeouts, high_water: int) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._origin = origin
+        self._max = max_connections
+        self._warm = warm_connections
+        self._timeouts = timeouts
+        self._high_water = high_water
+        self._conns: list = []
+        self._opening: asyncio.Future | None = None
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._tasks: set[asyncio.Task] = set()
+        self._closed = False
+
+    async def request(
+        self, method: bytes, path: bytes, headers: list[tuple[bytes, bytes]], body: bytes, head_within: float | None = None
+    ) -> UpstreamResponse:
+        request_headers = [
+            (b":method", method),
+            (b":scheme", self._origin.scheme),
+            (b":authority", self._origin.authority),
+            (b":path", path),
+            (b"content-length", str(len(body)).encode()),
+            *headers,
+        ]
+        started = time.perf_counter()
+        for attempt in range(3):
+            conn = await self._acquire()
+            pool_wait = time.perf_counter() - started
+            try:
+                status, response_headers, response_body, stream_id = await conn.exchange(
+                    request_headers, body, self._timeouts, head_within
+                )
+            except Refused:
+                if attempt < 2:
+                    continue  # never processed: again, on another connection
+                raise UpstreamConnectError(f"{self._origin} refused the stream three times") from None
+            return UpstreamResponse(
+                status, response_headers, response_body, lambda: conn.cancel(stream_id), pool_wait, protocol=self.protocol
+            )
+        raise AssertionError("unreachable")
+
+    async def warm(self) -> None:
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        stop_pool(self)
+        connections = list(self._conns)
+        self._conns.clear()
+        for conn in connections:
+            conn.close()
+        await self._closed_all(connections)
+
+    @property
+    def num_connections(self) -> int:
+        return len(self._conns)
+
+    @property
+    def num_streams(self) -> int:
+        return sum(len(c.streams) for c in self._conns)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self._origin} [{len(self._conns)} connections, {self.num_streams} streams]>"
+
+    # -- for the subclasses ------------------------------------------------------------
+
+    async def _connect(self):
+        raise NotImplementedError
+
+    async def _closed_all(self, connections: list) -> None:
+        """After ``aclose`` closed ``connections``: wait for what must finish closing."""
+
+    def _lost(self, conn) -> None:
+        raise NotImplementedError
+
+    def _forget(self, conn) -> bool:
+        """Drop a connection that went away; whether it was still in the pool."""
+        try:
+            self._conns.remove(conn)
+        except ValueError:
+            return False
+        self._stream_done()
+        return True
+
+    # -- internals -----------------------------------------------------------------------
+
+    async def _acquire(self):
+        deadline = self._loop.time() + self._timeouts.pool
+        while True:
+            if self._closed:
+                raise UpstreamConnectError("upstream pool closed")
+            best = None
+            for conn in self._conns:
+                if conn.has_capacity and (best is None or len(conn.streams) < len(best.streams)):
+                    best = conn
+            if best is not None:
+                return best
+            if len(self._conns) < self._max:
+                if self._opening is None:
+                    return await self._open()
+                await asyncio.shield(self._opening)
+                continue
+            remaining = deadline - self._loop.time()
+            if remaining <= 0:
+                raise PoolTimeout(f"no {self.protocol.upper().replace('HTTP', 'HTTP/')} stream free within {self._timeouts.pool:g} s", retry_after=1.0)
+            waiter = self._loop.create_future()
+            self._waiters.append(waiter)
+            handle = self._loop.call_later(remaining, _wake, waiter)
+            try:
+                await waiter
+            finally:
+                handle.cancel()
+
+    async def _open(self):
+        opening = self._opening = self._loop.create_future()
+        try:
+            conn = await self._connect()
+        except BaseException as exc:
+            if isinstance(exc, Exception):
+                opening.set_exception(exc)
+                opening.exception()  # mark retrieved: other waiters re-raise their own copy
+            else:
+                opening.cancel()
+            raise
+        finally:
+            self._opening = None
+        if self._closed:
+            conn.close()
+            raise UpstreamConnectError("upstream pool closed")
+        self._conns.append(conn)
+        opening.set_result(conn)
+        return conn
+
+    def _stream_done(self, conn=None) -> None:
+        """A stream ended (or a connection came or went): the first waiter may try again."""
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+
+def _wake(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+def stop_pool(pool) -> None:
+    """The first step of a pool's ``aclose``: no new request, its background tasks
+    (``pool._tasks``) cancelled, every request waiting for a connection (``pool._waiters``)
+    failed."""
+    pool._closed = True
+    for task in list(pool._tasks):
+        task.cancel()
+    for waiter in pool._waiters:
+        if not waiter.done():
+            waiter.set_exception(UpstreamConnectError("upstream pool closed"))
+
+
+def split_status(headers) -> tuple[int, list[tuple[bytes, bytes]]]:
+    """(``:status``, the regular headers) of an HTTP/2 or HTTP/3 response head."""
+    status = 0
+    regular = []
+    for name, value in headers:
+        if name == b":status":
+            status = int(value)
+        elif not name.startswith(b":"):
+            regular.append((name, value))
+    return status, regular
 
 
 class Pool(Protocol):

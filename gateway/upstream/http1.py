@@ -26,7 +26,9 @@ from gateway.errors import (
     UpstreamConnectError,
     UpstreamProtocolError,
 )
-from gateway.upstream.base import Body, Origin, Timeouts, UpstreamResponse, connect, head_timeout, rewarm_soon, wait_closed
+from gateway.upstream.base import (
+    Body, Origin, Timeouts, UpstreamResponse, connect, head_timeout, rewarm_soon, stop_pool, wait_closed,
+)
 
 __all__ = ["H1Pool"]
 
@@ -237,12 +239,7 @@ class H1Pool:
                 logger.warning("warm-up of %s failed: %s", self._origin, result.message)
 
     async def aclose(self) -> None:
-        self._closed = True
-        for task in list(self._tasks):
-            task.cancel()
-        for waiter in self._waiters:
-            if not waiter.done():
-                waiter.set_exception(UpstreamConnectError("upstream pool closed"))
+        stop_pool(self)
         connections = list(self._all)
         for conn in connections:
             conn.cancel()

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections import deque
 
 import h2.config
 import h2.connection
@@ -24,23 +22,19 @@ import h2.settings
 
 from gateway.errors import (
     GatewayError,
-    PoolTimeout,
     UpstreamConnectError,
     UpstreamProtocolError,
     UpstreamReadTimeout,
 )
-from gateway.upstream.base import Body, Origin, Timeouts, UpstreamResponse, connect, head_timeout, rewarm_soon, wait_closed
+from gateway.upstream.base import (
+    Body, MultiplexedPool, Origin, Refused, Timeouts, connect, head_timeout, rewarm_soon, split_status, wait_closed,
+)
 
 __all__ = ["H2Pool"]
 
 logger = logging.getLogger("edgegw.upstream")
 
 _CONNECTION_WINDOW = 32 * 1024 * 1024
-
-
-class _Refused(Exception):
-    """The server did not process the stream (GOAWAY past it, REFUSED_STREAM, or the
-    connection went before any answer): safe to send again on another connection."""
 
 
 class _Stream:
@@ -99,7 +93,7 @@ class _H2Connection(asyncio.Protocol):
             self.lost.set_result(None)
         error = UpstreamProtocolError("upstream closed the HTTP/2 connection")
         for stream in list(self.streams.values()):
-            self._fail_stream(stream, error if stream.head.done() else _Refused())
+            self._fail_stream(stream, error if stream.head.done() else Refused())
         self.streams.clear()
         self._pool._lost(self)
 
@@ -122,13 +116,7 @@ class _H2Connection(asyncio.Protocol):
         stream = self.streams.get(event.stream_id)
         if stream is None:
             return
-        status = 0
-        headers = []
-        for name, value in event.headers:
-            if name == b":status":
-                status = int(value)
-            elif not name.startswith(b":"):
-                headers.append((name, value))
+        status, headers = split_status(event.headers)
         stream.body = Body(self._loop, self._pool._high_water, None, lambda n, sid=stream.id: self._ack(sid, n))
         if not stream.head.done():
             stream.head.set_result((status, headers))
@@ -151,7 +139,7 @@ class _H2Connection(asyncio.Protocol):
         stream = self.streams.pop(event.stream_id, None)
         if stream is not None:
             if event.error_code == h2.errors.ErrorCodes.REFUSED_STREAM:
-                error: Exception = _Refused()
+                error: Exception = Refused()
             else:
                 error = UpstreamProtocolError(f"upstream reset the stream ({event.error_code!r})")
             self._fail_stream(stream, error)
@@ -181,7 +169,7 @@ class _H2Connection(asyncio.Protocol):
         self.is_draining = True
         last = event.last_stream_id or 0
         for stream_id in [sid for sid in self.streams if sid > last]:
-            self._fail_stream(self.streams.pop(stream_id), _Refused())
+            self._fail_stream(self.streams.pop(stream_id), Refused())
         self._pool._lost(self)
         if not self.streams and self.transport is not None:
             self.transport.close()
@@ -196,7 +184,7 @@ class _H2Connection(asyncio.Protocol):
             stream_id = h2conn.get_next_available_stream_id()
             h2conn.send_headers(stream_id, headers, end_stream=not body)
         except h2.exceptions.H2Error:
-            raise _Refused() from None  # the connection is closing: nothing was sent
+            raise Refused() from None  # the connection is closing: nothing was sent
         head = self._loop.create_future()
         stream = self.streams[stream_id] = _Stream(stream_id, head)
         handle = None
@@ -312,60 +300,16 @@ _HANDLERS = {
 }
 
 
-class H2Pool:
+class H2Pool(MultiplexedPool):
     """Up to ``max_connections`` HTTP/2 connections to one origin; streams go to the least busy."""
 
     protocol = "http2"
 
-    def __init__(
-        self,
-        origin: Origin,
-        *,
-        max_connections: int,
-        warm_connections: int,
-        timeouts: Timeouts,
-        high_water: int,
-    ) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._origin = origin
-        self._max = max_connections
-        self._warm = warm_connections
-        self._timeouts = timeouts
-        self._high_water = high_water
-        self._conns: list[_H2Connection] = []
-        self._opening: asyncio.Future[_H2Connection] | None = None
+    def __init__(self, origin: Origin, *, max_connections: int, warm_connections: int, timeouts: Timeouts, high_water: int) -> None:
+        super().__init__(
+            origin, max_connections=max_connections, warm_connections=warm_connections, timeouts=timeouts, high_water=high_water
+        )
         self._connecting = 0  # warm-up connections being opened
-        self._waiters: deque[asyncio.Future[None]] = deque()
-        self._tasks: set[asyncio.Task] = set()
-        self._closed = False
-
-    async def request(
-        self, method: bytes, path: bytes, headers: list[tuple[bytes, bytes]], body: bytes, head_within: float | None = None
-    ) -> UpstreamResponse:
-        h2_headers = [
-            (b":method", method),
-            (b":scheme", self._origin.scheme),
-            (b":authority", self._origin.authority),
-            (b":path", path),
-            (b"content-length", str(len(body)).encode()),
-            *headers,
-        ]
-        started = time.perf_counter()
-        for attempt in range(3):
-            conn = await self._acquire()
-            pool_wait = time.perf_counter() - started
-            try:
-                status, response_headers, response_body, stream_id = await conn.exchange(
-                    h2_headers, body, self._timeouts, head_within
-                )
-            except _Refused:
-                if attempt < 2:
-                    continue  # GOAWAY / REFUSED_STREAM: the server never saw it; again, on another connection
-                raise UpstreamConnectError("the upstream refused the stream three times") from None
-            return UpstreamResponse(
-                status, response_headers, response_body, lambda: conn.cancel(stream_id), pool_wait, protocol="http2"
-            )
-        raise AssertionError("unreachable")
 
     async def warm(self) -> None:
         """Open connections up to ``warm_connections`` now (a new connection costs a TCP,
@@ -392,74 +336,8 @@ class H2Pool:
             self._stream_done(conn)  # a waiter for a stream may take it
         return conn
 
-    async def aclose(self) -> None:
-        self._closed = True
-        for task in list(self._tasks):
-            task.cancel()
-        for waiter in self._waiters:
-            if not waiter.done():
-                waiter.set_exception(UpstreamConnectError("upstream pool closed"))
-        connections = list(self._conns)
-        self._conns.clear()
-        for conn in connections:
-            conn.close()
+    async def _closed_all(self, connections: list) -> None:
         await wait_closed(connections)
-
-    @property
-    def num_connections(self) -> int:
-        return len(self._conns)
-
-    def __repr__(self) -> str:
-        streams = sum(len(c.streams) for c in self._conns)
-        return f"<H2Pool {self._origin} [{len(self._conns)} connections, {streams} streams]>"
-
-    # -- internals -----------------------------------------------------------------
-
-    async def _acquire(self) -> _H2Connection:
-        deadline = self._loop.time() + self._timeouts.pool
-        while True:
-            if self._closed:
-                raise UpstreamConnectError("upstream pool closed")
-            best = None
-            for conn in self._conns:
-                if conn.has_capacity and (best is None or len(conn.streams) < len(best.streams)):
-                    best = conn
-            if best is not None:
-                return best
-            if len(self._conns) < self._max:
-                if self._opening is None:
-                    return await self._open()
-                await asyncio.shield(self._opening)
-                continue
-            remaining = deadline - self._loop.time()
-            if remaining <= 0:
-                raise PoolTimeout(
-                    f"no HTTP/2 stream free within {self._timeouts.pool:g} s", retry_after=1.0
-                )
-            waiter = self._loop.create_future()
-            self._waiters.append(waiter)
-            handle = self._loop.call_later(remaining, _wake, waiter)
-            try:
-                await waiter
-            finally:
-                handle.cancel()
-
-    async def _open(self) -> _H2Connection:
-        opening = self._opening = self._loop.create_future()
-        try:
-            conn = await self._connect()
-        except BaseException as exc:
-            if isinstance(exc, Exception):
-                opening.set_exception(exc)
-                opening.exception()  # mark retrieved: other waiters re-raise their own copy
-            else:
-                opening.cancel()
-            raise
-        finally:
-            self._opening = None
-        self._conns.append(conn)
-        opening.set_result(conn)
-        return conn
 
     async def _connect(self) -> _H2Connection:
         conn = await connect(
@@ -472,22 +350,10 @@ class H2Pool:
                 raise UpstreamConnectError(f"{self._origin} did not negotiate h2 over ALPN")
         return conn
 
-    def _stream_done(self, conn: _H2Connection) -> None:
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                return
-
     def _lost(self, conn: _H2Connection) -> None:
         """A connection went away or received GOAWAY: forget it, and open another if the
         pool is now below ``warm_connections``."""
-        try:
-            self._conns.remove(conn)
-        except ValueError:
-            return
-        self._stream_done(conn)
-        if not self._closed and len(self._conns) + self._connecting < self._warm:
+        if self._forget(conn) and not self._closed and len(self._conns) + self._connecting < self._warm:
             rewarm_soon(self)
 
 

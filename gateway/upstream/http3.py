@@ -48,7 +48,6 @@ import logging
 import socket
 import ssl as ssl_module
 import time
-from collections import deque
 
 from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.h3.connection import H3_ALPN, ErrorCode, H3Connection
@@ -61,11 +60,12 @@ from aioquic.tls import Group, SessionTicket
 
 from gateway.errors import (
     GatewayError,
-    PoolTimeout,
     UpstreamConnectError,
     UpstreamProtocolError,
 )
-from gateway.upstream.base import Body, Origin, Pool, Timeouts, UpstreamResponse, head_timeout, rewarm_soon
+from gateway.upstream.base import (
+    Body, MultiplexedPool, Origin, Pool, Refused, Timeouts, UpstreamResponse, head_timeout, rewarm_soon, split_status,
+)
 
 __all__ = ["H3Pool", "FallbackPool", "CONGESTION_CONTROL"]
 
@@ -80,11 +80,6 @@ _KEY_SHARE_GROUPS = (Group.X25519, Group.SECP256R1)
 # round trips; CUBIC backs off less (x0.7) and regrows faster (BENCHMARKS.md, HTTP/3 under
 # loss: p99 inter-token gap at 1 % loss 222 -> ~160 ms).
 CONGESTION_CONTROL = "cubic"
-
-
-class _Refused(Exception):
-    """The server never answered the stream (REQUEST_REJECTED, or the connection went or
-    died before any response): safe to send again on another connection."""
 
 
 class _Quic(QuicConnection):
@@ -198,7 +193,7 @@ class _H3Connection(QuicConnectionProtocol):
                 self._quic.limits.pop(event.stream_id, None)
                 if event.error_code == ErrorCode.H3_REQUEST_REJECTED and not stream.head.done():
                     self.is_draining = True  # a server that rejects streams is shutting down
-                    error: Exception = _Refused()
+                    error: Exception = Refused()
                 else:
                     error = UpstreamProtocolError(f"upstream reset the stream (error {event.error_code:#x})")
                 _fail_stream(stream, error)
@@ -226,13 +221,7 @@ class _H3Connection(QuicConnectionProtocol):
         if stream is None:
             return
         if stream.body is None:
-            status = 0
-            headers = []
-            for name, value in event.headers:
-                if name == b":status":
-                    status = int(value)
-                elif not name.startswith(b":"):
-                    headers.append((name, value))
+            status, headers = split_status(event.headers)
             if status < 200:
                 return  # an interim response; the real one follows
             stream.body = Body(self._loop, self._pool._high_water, None, lambda n, s=stream: self._credit(s, n))
@@ -281,7 +270,7 @@ class _H3Connection(QuicConnectionProtocol):
         self, headers: list[tuple[bytes, bytes]], body: bytes, timeouts: Timeouts, within: float | None = None
     ) -> tuple[int, list[tuple[bytes, bytes]], Body, int]:
         if self.is_closed:
-            raise _Refused()
+            raise Refused()
         quic = self._quic
         stream_id = quic.get_next_available_stream_id()
         quic.limits[stream_id] = self._window
@@ -358,7 +347,7 @@ class _H3Connection(QuicConnectionProtocol):
             return
         self.is_closed = True
         for stream in list(self.streams.values()):
-            _fail_stream(stream, _Refused() if not stream.head.done() or error is None else error)
+            _fail_stream(stream, Refused() if not stream.head.done() or error is None else error)
         self.streams.clear()
         self._quic.limits.clear()
 
@@ -371,12 +360,12 @@ def _fail_stream(stream: _Stream, error: Exception) -> None:
     if not stream.head.done():
         stream.head.set_exception(error)
     elif stream.body is not None:
-        if isinstance(error, _Refused):
+        if isinstance(error, Refused):
             error = UpstreamProtocolError("the upstream went away mid-response")
         stream.body.feed_error(error)
 
 
-class H3Pool:
+class H3Pool(MultiplexedPool):
     """Up to ``max_connections`` QUIC connections to one origin; streams go to the least busy.
 
     Beyond the common pool arguments: ``ca_file`` (PEM roots to verify the server with,
@@ -399,51 +388,15 @@ class H3Pool:
     ) -> None:
         if origin.ssl is None:
             raise ValueError("HTTP/3 needs an https:// origin")
-        self._loop = asyncio.get_running_loop()
-        self._origin = origin
-        self._max = max_connections
-        self._warm = warm_connections
-        self._timeouts = timeouts
-        self._high_water = high_water
+        super().__init__(
+            origin, max_connections=max_connections, warm_connections=warm_connections, timeouts=timeouts, high_water=high_water
+        )
         self._verify = origin.ssl.verify_mode != ssl_module.CERT_NONE
         self._ca_file = ca_file
         self._early_data = early_data
         self._ticket: SessionTicket | None = None
-        self._conns: list[_H3Connection] = []
-        self._opening: asyncio.Future[_H3Connection] | None = None
-        self._waiters: deque[asyncio.Future[None]] = deque()
-        self._tasks: set[asyncio.Task] = set()
-        self._closed = False
         self.handshakes = 0  # QUIC connections started
         self.resumed = 0  # handshakes that resumed a TLS session (a session ticket was accepted)
-
-    async def request(
-        self, method: bytes, path: bytes, headers: list[tuple[bytes, bytes]], body: bytes, head_within: float | None = None
-    ) -> UpstreamResponse:
-        h3_headers = [
-            (b":method", method),
-            (b":scheme", b"https"),
-            (b":authority", self._origin.authority),
-            (b":path", path),
-            (b"content-length", str(len(body)).encode()),
-            *headers,
-        ]
-        started = time.perf_counter()
-        for attempt in range(3):
-            conn = await self._acquire()
-            pool_wait = time.perf_counter() - started
-            try:
-                status, response_headers, response_body, stream_id = await conn.exchange(
-                    h3_headers, body, self._timeouts, head_within
-                )
-            except _Refused:
-                if attempt < 2:
-                    continue  # never answered: again, on another connection
-                raise UpstreamConnectError(f"{self._origin} refused the request three times") from None
-            return UpstreamResponse(
-                status, response_headers, response_body, lambda: conn.cancel(stream_id), pool_wait, protocol="http3"
-            )
-        raise AssertionError("unreachable")
 
     async def warm(self) -> None:
         """Open one connection now (streams multiplex on it), so the first request pays no handshake."""
@@ -455,77 +408,6 @@ class H3Pool:
                     await self._open()
             except GatewayError as exc:
                 logger.warning("warm-up of %s (HTTP/3) failed: %s", self._origin, exc.message)
-
-    async def aclose(self) -> None:
-        self._closed = True
-        for task in list(self._tasks):
-            task.cancel()
-        for conn in list(self._conns):
-            conn.close()
-        self._conns.clear()
-        for waiter in self._waiters:
-            if not waiter.done():
-                waiter.set_exception(UpstreamConnectError("upstream pool closed"))
-
-    @property
-    def num_connections(self) -> int:
-        return len(self._conns)
-
-    @property
-    def num_streams(self) -> int:
-        return sum(len(c.streams) for c in self._conns)
-
-    def __repr__(self) -> str:
-        return f"<H3Pool {self._origin} [{len(self._conns)} connections, {self.num_streams} streams]>"
-
-    # -- internals -----------------------------------------------------------------
-
-    async def _acquire(self) -> _H3Connection:
-        deadline = self._loop.time() + self._timeouts.pool
-        while True:
-            if self._closed:
-                raise UpstreamConnectError("upstream pool closed")
-            best = None
-            for conn in self._conns:
-                if conn.has_capacity and (best is None or len(conn.streams) < len(best.streams)):
-                    best = conn
-            if best is not None:
-                return best
-            if len(self._conns) < self._max:
-                if self._opening is None:
-                    return await self._open()
-                await asyncio.shield(self._opening)
-                continue
-            remaining = deadline - self._loop.time()
-            if remaining <= 0:
-                raise PoolTimeout(f"no HTTP/3 stream free within {self._timeouts.pool:g} s", retry_after=1.0)
-            waiter = self._loop.create_future()
-            self._waiters.append(waiter)
-            handle = self._loop.call_later(remaining, _wake, waiter)
-            try:
-                await waiter
-            finally:
-                handle.cancel()
-
-    async def _open(self) -> _H3Connection:
-        opening = self._opening = self._loop.create_future()
-        try:
-            conn = await self._connect()
-        except BaseException as exc:
-            if isinstance(exc, Exception):
-                opening.set_exception(exc)
-                opening.exception()  # mark retrieved: other waiters re-raise their own copy
-            else:
-                opening.cancel()
-            raise
-        finally:
-            self._opening = None
-        if self._closed:
-            conn.close()
-            raise UpstreamConnectError("upstream pool closed")
-        self._conns.append(conn)
-        opening.set_result(conn)
-        return conn
 
     async def _connect(self) -> _H3Connection:
         origin = self._origin
@@ -575,20 +457,8 @@ class H3Pool:
     def _store_ticket(self, ticket: SessionTicket) -> None:
         self._ticket = ticket
 
-    def _stream_done(self) -> None:
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                return
-
     def _lost(self, conn: _H3Connection) -> None:
-        try:
-            self._conns.remove(conn)
-        except ValueError:
-            return
-        self._stream_done()
-        if not self._closed and self._warm and not self._conns:
+        if self._forget(conn) and not self._closed and self._warm and not self._conns:
             rewarm_soon(self)  # keep a connection warm (servers restart, idle connections time out)
 
 
@@ -680,7 +550,3 @@ def _literal_address(host: str, port: int) -> tuple | None:
         return None
     return (host, port) if ip.version == 4 else (host, port, 0, 0)
 
-
-def _wake(waiter: asyncio.Future) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
