@@ -7,12 +7,19 @@ the OpenAI-shaped seam the gateway calls.
 
 from .config import EngineConfig, ModelConfig, default_model_path
 from .engine import Engine, EngineStats
-from .errors import EngineClosedError, EngineError, EngineOverloadedError, InvalidRequestError
+from .errors import (
+    DeadlineExceededError,
+    EngineClosedError,
+    EngineError,
+    EngineOverloadedError,
+    InvalidRequestError,
+)
 from .sampling import SamplingParams
 from .sequence import Delta, Priority
 from .serving import OpenAIServing, PreparedRequest
 
 __all__ = [
+    "DeadlineExceededError",
     "Delta",
     "Engine",
     "EngineClosedError",

@@ -57,6 +57,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     # waiting sequences beyond which requests are refused with EngineOverloadedError (503)
     max_queue_len: int = 256
+    # unread deltas per request beyond which its sequence is paused (keeps its KV blocks)
+    # until the reader catches up: a client that stops reading costs no growing queue
+    max_pending_outputs: int = 64
     # share full KV blocks between sequences by a hash chain of their tokens
     enable_prefix_caching: bool = True
     # torch intra-op threads on the CPU; None = torch's default
@@ -75,7 +78,14 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda[:N], not {self.device!r}")
         if self.model is not None and not os.path.exists(self.model):
             raise ValueError(f"model: {self.model!r} does not exist")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_queue_len", "stats_window"):
+        for name in (
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_queue_len",
+            "max_pending_outputs",
+            "stats_window",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
