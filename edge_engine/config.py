@@ -35,8 +35,9 @@ class EngineConfig:
     model: str | None = None
     # name served on /v1/models; None = derived from the model file or directory name
     model_name: str | None = None
-    # "auto" (bf16 on CUDA, float32 on CPU), "float32", or "bf16" (on CPU: bf16 weights,
-    # float32 activations, float32 output layer)
+    # "auto" (bf16 on CUDA; on CPU the fastest mode whose answers hold, runner.CPU_AUTO_DTYPE),
+    # "float32", "bf16" (on CPU: bf16 weights, float32 activations and output layer), or the
+    # CPU weight-only modes "int8" (per-channel scales) and "int4" (groups of 32)
     dtype: str = "auto"
     # "auto" (cuda when available, else cpu), "cpu", "cuda" or "cuda:N"
     device: str = "auto"
@@ -68,8 +69,8 @@ class EngineConfig:
     stats_window: int = 128
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("auto", "float32", "fp32", "bf16", "bfloat16"):
-            raise ValueError(f"dtype must be auto, float32 or bf16, not {self.dtype!r}")
+        if self.dtype not in ("auto", "float32", "fp32", "bf16", "bfloat16", "int8", "int4"):
+            raise ValueError(f"dtype must be auto, float32, bf16, int8 or int4, not {self.dtype!r}")
         if self.dtype == "fp32":
             self.dtype = "float32"
         if self.dtype == "bfloat16":

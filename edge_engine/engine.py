@@ -116,13 +116,13 @@ class Engine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = _resolve_device(config.device)
+        _, _, kv_dtype = resolve_dtypes(config.dtype, self.device)  # a bad dtype/device pair fails before loading
         loaded = load_model(config.model_path)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_name = config.model_name or loaded.name
         self.model_path = loaded.path
         self.max_model_len = config.max_model_len or min(loaded.config.max_position_embeddings, _DEFAULT_MAX_MODEL_LEN)
-        _, _, kv_dtype = resolve_dtypes(config.dtype, self.device)
         self.block_size = config.block_size
         self.num_kv_blocks = self._num_kv_blocks(kv_dtype)
         self.runner = ModelRunner(

@@ -12,6 +12,19 @@ global.
 Dtypes: ``weight_dtype`` for the linear layers inside the blocks, ``act_dtype`` for the
 residual stream; norms, embeddings and the output layer stay float32 (a bf16 output layer
 changes the small model's answers, see FACTS.md).
+
+Weight-only quantisation (``quantization="int8" | "int4"``, CPU): batch-1 decode reads
+every weight once per token, so fewer bytes per weight is what makes it faster.
+``Int8Linear`` keeps int8 weights with one scale per output channel, ``Int4Linear`` 4-bit
+weights with a scale and a zero per group of 32 inputs (the grid of llama.cpp's Q4_1, so a
+Q4_1 GGUF is re-expressed, not re-quantised).  Up to ``max_kernel_rows`` rows (decode) they
+run PyTorch's weight-only kernels (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``),
+which take bf16 activations (their float32 paths are scalar) and return bf16; more rows
+(prefill) dequantise the weight to float32 once per call and run a float32 GEMM, which is
+faster there and keeps prefill numerics at float32's.  The output layer is quantised too
+(it is a fifth of SmolLM2's weights) but its answer is checked: ``RescoredOutput`` takes the
+int8 logits' top ``num_rescored`` tokens and recomputes their logits exactly from the float32
+embedding, so greedy choices and top probabilities come from exact logits.
 """
 
 from __future__ import annotations
@@ -25,7 +38,16 @@ from torch import nn
 
 from .config import ModelConfig
 
-__all__ = ["AttentionMetadata", "DecodeGroup", "PrefillChunk", "Transformer", "build_rope_cache"]
+__all__ = [
+    "AttentionMetadata",
+    "DecodeGroup",
+    "Int4Linear",
+    "Int8Linear",
+    "PrefillChunk",
+    "RescoredOutput",
+    "Transformer",
+    "build_rope_cache",
+]
 
 
 @dataclass(slots=True)
@@ -115,14 +137,120 @@ class Linear(nn.Module):
         return F.linear(x.to(w.dtype), w).to(x.dtype)
 
 
+def _round_up_to_bf16(x: torch.Tensor) -> torch.Tensor:
+    """Positive float32 values rounded up to the nearest bfloat16 (so a scale stored in bf16
+    is exactly the scale the weights were quantised with, and ``|q|`` stays in range)."""
+    bits = x.float().contiguous().view(torch.int32)
+    return ((bits + 0xFFFF) & -65536).view(torch.float32)
+
+
+class Int8Linear(nn.Module):
+    """Weight-only int8: ``W ~= q * scale[:, None]``, one bf16 scale per output channel."""
+
+    # rows up to which the int8 kernel runs; beyond, dequantise + float32 GEMM (faster there)
+    max_kernel_rows = 16
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        w = weight.float()  # [out, in]
+        scale = _round_up_to_bf16((w.abs().amax(dim=1) / 127).clamp(min=1e-30))  # [out]
+        q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        self.weight = nn.Parameter(q, requires_grad=False)  # [out, in] int8
+        self.scales = nn.Parameter(scale.to(torch.bfloat16), requires_grad=False)  # [out]
+
+    def dequantize(self) -> torch.Tensor:
+        return self.weight.float() * self.scales.float()[:, None]  # [out, in]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, in] -> [T, out]: bf16 from the kernel (T <= max_kernel_rows), else float32
+        if x.shape[0] <= self.max_kernel_rows:
+            return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scales)
+        return F.linear(x.float(), self.dequantize())
+
+
+class Int4Linear(nn.Module):
+    """Weight-only 4-bit: ``W ~= q * scale + min`` per group of ``group_size`` inputs, q in
+    [0, 15] -- llama.cpp's Q4_1 grid, so a Q4_1 file's weights are recovered, not re-quantised.
+
+    The decode kernel takes the grid as ``(q - 8) * scale + zero`` with scale and zero in
+    bf16 (within ~2^-9 of the exact ones); the float32 path (prefill) dequantises with the
+    exact float32 scales and mins, i.e. it computes with the file's own weights.
+    """
+
+    max_kernel_rows = 16
+    group_size = 32
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        w = weight.float()  # [out, in]
+        N, K = w.shape
+        g = self.group_size
+        assert K % g == 0, f"in_features {K} is not a multiple of the group size {g}"
+        groups = w.view(N, K // g, g)
+        lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)  # [N, K/g]
+        scale = ((hi - lo) / 15).clamp(min=1e-30)  # Q4_1's rule: the group's min at q = 0, its max at 15
+        q = torch.round((groups - lo.unsqueeze(-1)) / scale.unsqueeze(-1)).clamp_(0, 15).to(torch.uint8).view(N, K)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        self.weight = nn.Parameter(packed, requires_grad=False)  # the kernel's own layout
+        kernel_scale = scale.to(torch.bfloat16)
+        kernel_zero = (lo + 8 * kernel_scale.float()).to(torch.bfloat16)
+        sz = torch.stack([kernel_scale, kernel_zero], dim=-1).transpose(0, 1).contiguous()  # [K/g, N, 2]
+        self.scales_and_zeros = nn.Parameter(sz, requires_grad=False)
+        # for dequantize(): q two to a byte in a known layout, and the exact grid
+        self.nibbles = nn.Parameter(q[:, 0::2] | (q[:, 1::2] << 4), requires_grad=False)  # [N, K/2]
+        self.scales = nn.Parameter(scale, requires_grad=False)  # [N, K/g] float32
+        self.mins = nn.Parameter(lo, requires_grad=False)  # [N, K/g] float32
+
+    def dequantize(self) -> torch.Tensor:
+        N = self.nibbles.shape[0]
+        q = torch.stack([self.nibbles & 15, self.nibbles >> 4], dim=-1).view(N, -1, self.group_size)  # [N, K/g, g]
+        return torch.addcmul(self.mins.unsqueeze(-1), q.float(), self.scales.unsqueeze(-1)).view(N, -1)  # [out, in]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, in] -> [T, out]: bf16 from the kernel (T <= max_kernel_rows), else float32
+        if x.shape[0] <= self.max_kernel_rows:
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x.to(torch.bfloat16), self.weight, self.group_size, self.scales_and_zeros
+            )
+        return F.linear(x.float(), self.dequantize())
+
+
+class RescoredOutput(nn.Module):
+    """The output layer from int8 weights, with the ``num_rescored`` most likely tokens of
+    each row rescored exactly against the float32 weight (the tied embedding: no extra copy).
+
+    The int8 logits (bf16, ~0.1 apart from the exact ones) only choose the candidates; the
+    argmax and the probabilities that matter come from exact float32 logits.  The float32
+    weight is kept for these few rows (and for the embedding), never read whole per token.
+    """
+
+    num_rescored = 64
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.approx = Int8Linear(weight)
+        self.exact = weight  # [V, hidden] float32 (shared with the embedding when tied)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [N, hidden] float32 -> [N, V] float32
+        logits = self.approx(x).float()  # [N, V]
+        top = logits.topk(self.num_rescored, dim=-1).indices  # [N, k]
+        rows = self.exact[top]  # [N, k, hidden]
+        exact = torch.bmm(rows, x.unsqueeze(-1)).squeeze(-1)  # [N, k]
+        return logits.scatter_(1, top, exact)
+
+
+_QUANTIZED_LINEAR = {"int8": Int8Linear, "int4": Int4Linear}
+
+
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, wqkv: torch.Tensor, wo: torch.Tensor) -> None:
+    def __init__(self, config: ModelConfig, wqkv: nn.Module, wo: nn.Module) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
-        self.wqkv = Linear(wqkv)
-        self.wo = Linear(wo)
+        self.wqkv = wqkv
+        self.wo = wo
 
     def forward(
         self,
@@ -180,13 +308,13 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+    def __init__(self, w13: nn.Module, w2: nn.Module) -> None:
         super().__init__()
-        self.w13 = Linear(w13)  # gate and up, fused
-        self.w2 = Linear(w2)
+        self.w13 = w13  # gate and up, fused
+        self.w2 = w2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w13(x).chunk(2, dim=-1)
+        gate, up = self.w13(x).chunk(2, dim=-1)  # bf16 from a quantised kernel: w2 takes it as is
         return self.w2(F.silu(gate) * up)
 
 
@@ -204,7 +332,12 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Built from Hugging Face-named float32 weights (see ``loader``)."""
+    """Built from Hugging Face-named float32 weights (see ``loader``).
+
+    ``quantization`` ("int8" | "int4" | None) replaces the linear layers inside the blocks
+    by weight-only quantised ones (``weight_dtype`` is then unused); ``quantize_output``
+    also serves the output layer from int8 weights with exact rescoring (``RescoredOutput``).
+    """
 
     def __init__(
         self,
@@ -215,27 +348,38 @@ class Transformer(nn.Module):
         device: torch.device,
         weight_dtype: torch.dtype = torch.float32,
         act_dtype: torch.dtype = torch.float32,
+        quantization: str | None = None,
+        quantize_output: bool = True,
     ) -> None:
         super().__init__()
+        assert quantization in (None, *_QUANTIZED_LINEAR), quantization
         self.config = config
         self.act_dtype = act_dtype
+        self.quantization = quantization
 
         def w(name: str, dtype: torch.dtype = weight_dtype) -> torch.Tensor:
             return weights[name].to(device=device, dtype=dtype)
+
+        def linear(*names: str) -> nn.Module:
+            if quantization is None:
+                return Linear(torch.cat([w(n) for n in names]))
+            return _QUANTIZED_LINEAR[quantization](torch.cat([w(n, torch.float32) for n in names]))
 
         embed = w("model.embed_tokens.weight", torch.float32)
         self.tok_embeddings = nn.Parameter(embed, requires_grad=False)  # [V, hidden] float32
         layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
-            wqkv = torch.cat(
-                [w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"), w(p + "self_attn.v_proj.weight")]
-            )
-            w13 = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])
             block = TransformerBlock(
                 config,
-                Attention(config, wqkv, w(p + "self_attn.o_proj.weight")),
-                FeedForward(w13, w(p + "mlp.down_proj.weight")),
+                Attention(
+                    config,
+                    linear(p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"),
+                    linear(p + "self_attn.o_proj.weight"),
+                ),
+                FeedForward(
+                    linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), linear(p + "mlp.down_proj.weight")
+                ),
             )
             block.attention_norm.weight.data = w(p + "input_layernorm.weight", act_dtype)
             block.ffn_norm.weight.data = w(p + "post_attention_layernorm.weight", act_dtype)
@@ -244,9 +388,10 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.norm.weight.data = w("model.norm.weight", torch.float32)
         if "lm_head.weight" in weights and not config.tie_word_embeddings:
-            self.output = Linear(w("lm_head.weight", torch.float32))
+            head = w("lm_head.weight", torch.float32)
         else:
-            self.output = Linear(embed)  # tied: shares the float32 embedding
+            head = embed  # tied: shares the float32 embedding
+        self.output = RescoredOutput(head) if quantization and quantize_output else Linear(head)
         rope_freqs = weights.get("rope_freqs")
         self.register_buffer("rope", build_rope_cache(config, max_len, rope_freqs).to(device), persistent=False)
 

@@ -1,8 +1,11 @@
 """Tensors in, token ids out: turns one scheduled step into a flat batch, runs the model and
 samples.
 
-CPU modes: ``float32`` (exact against the reference) and ``bf16`` (bf16 weights inside the
-blocks, float32 activations, float32 output layer and KV cache).  CUDA: bf16 weights,
+CPU modes: ``float32`` (exact against the reference), ``bf16`` (bf16 weights inside the
+blocks, float32 activations, float32 output layer and KV cache), and the weight-only
+quantised ``int8`` and ``int4`` (see ``model``: float32 residual stream, norms, attention and
+KV cache; bf16 activations into the decode kernels; the output layer from int8 weights with
+its top tokens rescored exactly).  CUDA: bf16 weights,
 activations and KV cache (float32 output layer), attention through
 ``scaled_dot_product_attention``.  CUDA graphs are not captured yet: decode steps run eagerly.
 """
@@ -19,14 +22,28 @@ from .model import AttentionMetadata, DecodeGroup, PrefillChunk, Transformer
 from .sampling import SampleResult, sample
 from .sequence import Sequence
 
-__all__ = ["ModelRunner", "StepInputs", "resolve_dtypes"]
+__all__ = ["CPU_AUTO_DTYPE", "ModelRunner", "StepInputs", "resolve_dtype", "resolve_dtypes"]
+
+# what dtype "auto" means on the CPU: the fastest mode whose answers held against float32
+# on SmolLM2 (50 prompts' greedy outputs, held-out perplexity; see BENCHMARKS.md)
+CPU_AUTO_DTYPE = "float32"
+QUANTIZED = ("int8", "int4")
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> str:
+    """The concrete mode a config dtype means on a device ("auto" resolved)."""
+    if dtype == "auto":
+        return "bf16" if device.type == "cuda" else CPU_AUTO_DTYPE
+    if dtype in QUANTIZED and device.type != "cpu":
+        raise ValueError(f"dtype: {dtype} is a CPU mode (weight-only kernels); use bf16 on {device.type}")
+    return dtype
 
 
 def resolve_dtypes(dtype: str, device: torch.device) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
-    """(weight dtype, activation dtype, KV cache dtype) for a config dtype on a device."""
-    if dtype == "auto":
-        dtype = "bf16" if device.type == "cuda" else "float32"
-    if dtype == "float32":
+    """(weight dtype, activation dtype, KV cache dtype) for a config dtype on a device; the
+    quantised modes report float32 weights (the dtype they dequantise to)."""
+    dtype = resolve_dtype(dtype, device)
+    if dtype in ("float32", *QUANTIZED):
         return torch.float32, torch.float32, torch.float32
     if device.type == "cuda":
         return torch.bfloat16, torch.bfloat16, torch.bfloat16
@@ -58,6 +75,7 @@ class ModelRunner:
         self.config = config
         self.device = device
         self.block_size = block_size
+        self.dtype = resolve_dtype(dtype, device)
         self.weight_dtype, self.act_dtype, self.kv_dtype = resolve_dtypes(dtype, device)
         self.model = Transformer(
             config,
@@ -66,11 +84,14 @@ class ModelRunner:
             device=device,
             weight_dtype=self.weight_dtype,
             act_dtype=self.act_dtype,
+            quantization=self.dtype if self.dtype in QUANTIZED else None,
         ).eval()
         self.kv_cache = KVCache(config, num_blocks, block_size, self.kv_dtype, device)
 
     @property
     def dtype_name(self) -> str:
+        if self.dtype in QUANTIZED:
+            return self.dtype
         if self.weight_dtype == torch.float32:
             return "float32"
         return "bf16" if self.act_dtype == torch.bfloat16 else "bf16-weights/fp32-activations"

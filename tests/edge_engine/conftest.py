@@ -1,5 +1,6 @@
-"""Fixtures: the tiny random Llama (GGUF + HF directory), engines over it, and the real
-SmolLM2 engine (loaded once per session, for the few ``slow`` tests)."""
+"""Fixtures: the tiny random Llama (GGUF + HF directory; float32, or laid out like SmolLM2's
+Q4_1 file), engines over it, and the real SmolLM2 engine (loaded once per session, for the
+few ``slow`` tests)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,16 @@ def tiny_gguf(tiny_paths):
 @pytest.fixture(scope="session")
 def tiny_hf(tiny_paths):
     return str(tiny_paths[1])
+
+
+@pytest.fixture(scope="session")
+def tiny_q4_paths(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama-q4"), quantized=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_q4_gguf(tiny_q4_paths):
+    return str(tiny_q4_paths[0])
 
 
 @pytest.fixture(scope="session")
