@@ -35,9 +35,9 @@ class EngineConfig:
     model: str | None = None
     # name served on /v1/models; None = derived from the model file or directory name
     model_name: str | None = None
-    # "auto" (bf16 on CUDA; on CPU the fastest mode whose answers hold, runner.CPU_AUTO_DTYPE),
+    # "auto" (bf16 on CUDA; on CPU int4, or float32 where int4's kernels cannot be compiled),
     # "float32", "bf16" (on CPU: bf16 weights, float32 activations and output layer), or the
-    # CPU weight-only modes "int8" (per-channel scales) and "int4" (groups of 32)
+    # CPU weight-only modes "int8" (per-channel scales) and "int4" (Q4_1 grid, compiled kernels)
     dtype: str = "auto"
     # "auto" (cuda when available, else cpu), "cpu", "cuda" or "cuda:N"
     device: str = "auto"

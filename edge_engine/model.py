@@ -15,16 +15,18 @@ changes the small model's answers, see FACTS.md).
 
 Weight-only quantisation (``quantization="int8" | "int4"``, CPU): batch-1 decode reads
 every weight once per token, so fewer bytes per weight is what makes it faster.
-``Int8Linear`` keeps int8 weights with one scale per output channel, ``Int4Linear`` 4-bit
-weights with a scale and a zero per group of 32 inputs (the grid of llama.cpp's Q4_1, so a
-Q4_1 GGUF is re-expressed, not re-quantised).  Up to ``max_kernel_rows`` rows (decode) they
-run PyTorch's weight-only kernels (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``),
-which take bf16 activations (their float32 paths are scalar) and return bf16; more rows
-(prefill) dequantise the weight to float32 once per call and run a float32 GEMM, which is
-faster there and keeps prefill numerics at float32's.  The output layer is quantised too
-(it is a fifth of SmolLM2's weights) but its answer is checked: ``RescoredOutput`` takes the
-int8 logits' top ``num_rescored`` tokens and recomputes their logits exactly from the float32
-embedding, so greedy choices and top probabilities come from exact logits.
+
+- ``int4``: ``Int4Linear`` on llama.cpp's Q4_1 grid and the output layer on its Q8_0 grid
+  (``Q8Output``), multiplied by float32 activations in ``kernels`` -- a Q4_1 GGUF (SmolLM2's
+  format) runs its own weights with float32 arithmetic at 0.625 bytes per weight.
+- ``int8``: ``Int8Linear``, int8 weights with one scale per output channel, through
+  PyTorch's ``_weight_int8pack_mm`` (nothing to compile).  That kernel vectorises only bf16
+  activations, so decode rows are rounded to bf16 on the way in and its output is bf16.
+  The output layer is int8 too, with the ``num_rescored`` most likely tokens of each row
+  rescored exactly from the float32 embedding (``RescoredOutput``).
+
+Up to ``max_kernel_rows`` rows (decode) run the quantised kernels; more rows (prefill)
+dequantise each weight to float32 once per call and run a float32 GEMM, faster there.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
 from .config import ModelConfig
 
 __all__ = [
@@ -44,6 +47,7 @@ __all__ = [
     "Int4Linear",
     "Int8Linear",
     "PrefillChunk",
+    "Q8Output",
     "RescoredOutput",
     "Transformer",
     "build_rope_cache",
@@ -73,6 +77,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: where each token's K/V is written
     decodes: list[DecodeGroup] = field(default_factory=list)  # decode rows come first in the flat batch
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # a pure decode step also carries every row's blocks and length (for the fused int4 decoder)
+    decode_tables: torch.Tensor | None = None  # [B, max_blocks] int64, padded with block 0
+    decode_lens: torch.Tensor | None = None  # [B] int64: context length including this token
 
 
 def build_rope_cache(config: ModelConfig, max_len: int, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
@@ -169,50 +176,56 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    """Weight-only 4-bit: ``W ~= q * scale + min`` per group of ``group_size`` inputs, q in
-    [0, 15] -- llama.cpp's Q4_1 grid, so a Q4_1 file's weights are recovered, not re-quantised.
+    """Weight-only 4-bit on llama.cpp's Q4_1 grid (``w = q * scale + min``, q in [0, 15], fp16
+    scale and min per 32 inputs): a Q4_1 file's weights are recovered exactly, and
+    ``kernels.q4_linear`` multiplies them by float32 activations.
 
-    The decode kernel takes the grid as ``(q - 8) * scale + zero`` with scale and zero in
-    bf16 (within ~2^-9 of the exact ones); the float32 path (prefill) dequantises with the
-    exact float32 scales and mins, i.e. it computes with the file's own weights.
+    Up to ``max_kernel_rows`` rows run the kernel, 16 rows a call (each call reads the
+    weight once); more rows (long prefill chunks) dequantise the weight to float32 once per
+    call and run a float32 GEMM, which is faster there.  Both compute with the same weights
+    in float32.
     """
 
-    max_kernel_rows = 16
-    group_size = 32
+    max_kernel_rows = 64
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
-        w = weight.float()  # [out, in]
-        N, K = w.shape
-        g = self.group_size
-        assert K % g == 0, f"in_features {K} is not a multiple of the group size {g}"
-        groups = w.view(N, K // g, g)
-        lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)  # [N, K/g]
-        scale = ((hi - lo) / 15).clamp(min=1e-30)  # Q4_1's rule: the group's min at q = 0, its max at 15
-        q = torch.round((groups - lo.unsqueeze(-1)) / scale.unsqueeze(-1)).clamp_(0, 15).to(torch.uint8).view(N, K)
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-        self.weight = nn.Parameter(packed, requires_grad=False)  # the kernel's own layout
-        kernel_scale = scale.to(torch.bfloat16)
-        kernel_zero = (lo + 8 * kernel_scale.float()).to(torch.bfloat16)
-        sz = torch.stack([kernel_scale, kernel_zero], dim=-1).transpose(0, 1).contiguous()  # [K/g, N, 2]
-        self.scales_and_zeros = nn.Parameter(sz, requires_grad=False)
-        # for dequantize(): q two to a byte in a known layout, and the exact grid
-        self.nibbles = nn.Parameter(q[:, 0::2] | (q[:, 1::2] << 4), requires_grad=False)  # [N, K/2]
-        self.scales = nn.Parameter(scale, requires_grad=False)  # [N, K/g] float32
-        self.mins = nn.Parameter(lo, requires_grad=False)  # [N, K/g] float32
+        packed, scales, mins = kernels.pack_q4(weight)
+        self.weight = nn.Parameter(packed, requires_grad=False)  # [out, in/2] uint8
+        self.scales = nn.Parameter(scales, requires_grad=False)  # [out, in/32] fp16
+        self.mins = nn.Parameter(mins, requires_grad=False)  # [out, in/32] fp16
 
     def dequantize(self) -> torch.Tensor:
-        N = self.nibbles.shape[0]
-        q = torch.stack([self.nibbles & 15, self.nibbles >> 4], dim=-1).view(N, -1, self.group_size)  # [N, K/g, g]
-        return torch.addcmul(self.mins.unsqueeze(-1), q.float(), self.scales.unsqueeze(-1)).view(N, -1)  # [out, in]
+        return kernels.q4_dequantize(self.weight, self.scales, self.mins)  # [out, in] float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, in] -> [T, out]: bf16 from the kernel (T <= max_kernel_rows), else float32
-        if x.shape[0] <= self.max_kernel_rows:
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x.to(torch.bfloat16), self.weight, self.group_size, self.scales_and_zeros
-            )
-        return F.linear(x.float(), self.dequantize())
+        # x: [T, in] -> [T, out] float32
+        x = x.float()
+        if x.shape[0] > self.max_kernel_rows:
+            return F.linear(x, self.dequantize())
+        if x.shape[0] <= kernels.MAX_ROWS:
+            return kernels.q4_linear(x, self.weight, self.scales, self.mins)
+        return torch.cat([kernels.q4_linear(c, self.weight, self.scales, self.mins) for c in x.split(kernels.MAX_ROWS)])
+
+
+class Q8Output(nn.Module):
+    """The output layer on llama.cpp's Q8_0 grid (int8, fp16 scale per 32 inputs; a Q8_0
+    embedding is recovered exactly) through ``kernels.q8_linear`` with float32 activations:
+    exact logits from a quarter of float32's bytes.  Only the sampled rows reach it (at most
+    one per sequence), 16 rows a call."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        q, scales = kernels.pack_q8(weight)
+        self.weight = nn.Parameter(q, requires_grad=False)  # [V, hidden] int8
+        self.scales = nn.Parameter(scales, requires_grad=False)  # [V, hidden/32] fp16
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [N, hidden] -> [N, V] float32
+        x = x.float()
+        if x.shape[0] <= kernels.MAX_ROWS:
+            return kernels.q8_linear(x, self.weight, self.scales)
+        return torch.cat([kernels.q8_linear(c, self.weight, self.scales) for c in x.split(kernels.MAX_ROWS)])
 
 
 class RescoredOutput(nn.Module):
@@ -391,9 +404,27 @@ class Transformer(nn.Module):
             head = w("lm_head.weight", torch.float32)
         else:
             head = embed  # tied: shares the float32 embedding
-        self.output = RescoredOutput(head) if quantization and quantize_output else Linear(head)
+        if quantization is None or not quantize_output:
+            self.output = Linear(head)
+        elif quantization == "int4":
+            self.output = Q8Output(head)
+        else:
+            self.output = RescoredOutput(head)
         rope_freqs = weights.get("rope_freqs")
         self.register_buffer("rope", build_rope_cache(config, max_len, rope_freqs).to(device), persistent=False)
+        # int4 decode steps run all layers in one C++ call (kernels.Q4Decoder): batch-1 decode
+        # is otherwise bound by ~100 small Python-dispatched ops per layer, not by the weights
+        self.decoder = None
+        if quantization == "int4":
+            params: list[torch.Tensor] = []
+            for block in self.layers:
+                a, f = block.attention, block.feed_forward
+                params += [block.attention_norm.weight, a.wqkv.weight, a.wqkv.scales, a.wqkv.mins]
+                params += [a.wo.weight, a.wo.scales, a.wo.mins, block.ffn_norm.weight]
+                params += [f.w13.weight, f.w13.scales, f.w13.mins, f.w2.weight, f.w2.scales, f.w2.mins]
+            self.decoder = kernels.q4_decoder(
+                [p.data for p in params], config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps
+            )
 
     def forward(
         self,
@@ -405,9 +436,20 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         x = F.embedding(input_ids, self.tok_embeddings).to(self.act_dtype)  # [T, hidden]
         rope = self.rope[positions]  # [T, 2, D]
-        cos = rope[:, 0].unsqueeze(1).to(self.act_dtype)  # [T, 1, D]
-        sin = rope[:, 1].unsqueeze(1).to(self.act_dtype)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, k_cache, v_cache, meta)
+        if self.decoder is not None and meta.decode_lens is not None and x.shape[0] <= kernels.MAX_ROWS:
+            x = self.decoder.forward(
+                x,
+                rope,
+                [k for k, _ in kv_caches],
+                [v for _, v in kv_caches],
+                meta.slot_mapping,
+                meta.decode_tables,
+                meta.decode_lens,
+            )
+        else:
+            cos = rope[:, 0].unsqueeze(1).to(self.act_dtype)  # [T, 1, D]
+            sin = rope[:, 1].unsqueeze(1).to(self.act_dtype)
+            for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+                x = layer(x, cos, sin, k_cache, v_cache, meta)
         x = self.norm(x[logits_indices].float())  # [N, hidden]
         return self.output(x)  # [N, V] float32

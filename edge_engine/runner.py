@@ -16,26 +16,34 @@ from dataclasses import dataclass
 
 import torch
 
+from . import kernels
 from .config import ModelConfig
 from .kv_cache import KVCache
 from .model import AttentionMetadata, DecodeGroup, PrefillChunk, Transformer
 from .sampling import SampleResult, sample
 from .sequence import Sequence
 
-__all__ = ["CPU_AUTO_DTYPE", "ModelRunner", "StepInputs", "resolve_dtype", "resolve_dtypes"]
+__all__ = ["ModelRunner", "StepInputs", "resolve_dtype", "resolve_dtypes"]
 
-# what dtype "auto" means on the CPU: the fastest mode whose answers held against float32
-# on SmolLM2 (50 prompts' greedy outputs, held-out perplexity; see BENCHMARKS.md)
-CPU_AUTO_DTYPE = "float32"
 QUANTIZED = ("int8", "int4")
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> str:
-    """The concrete mode a config dtype means on a device ("auto" resolved)."""
+    """The concrete mode a config dtype means on a device.
+
+    "auto" on the CPU is the fastest mode whose answers hold against float32 (perplexity
+    within 2 % and identical greedy outputs on at least 90 % of the 50 fixed prompts; see
+    BENCHMARKS.md): int4, whose kernels are compiled on first use -- or float32 where they
+    cannot be (int8 and bf16 are faster than float32 but change most greedy answers).
+    """
     if dtype == "auto":
-        return "bf16" if device.type == "cuda" else CPU_AUTO_DTYPE
+        if device.type == "cuda":
+            return "bf16"
+        return "int4" if kernels.available() else "float32"
     if dtype in QUANTIZED and device.type != "cpu":
         raise ValueError(f"dtype: {dtype} is a CPU mode (weight-only kernels); use bf16 on {device.type}")
+    if dtype == "int4" and not kernels.available():
+        raise ValueError("dtype: int4 needs its kernels compiled (a C++ compiler and ninja); see the log")
     return dtype
 
 
@@ -147,6 +155,11 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long).to(self.device), prefills=prefills
         )
         meta.decodes = self._decode_groups(decode_tables, decode_lens)
+        if decode_tables and not prefills:  # a pure decode step: every row's blocks, for fused decoders
+            width = len(decode_tables[0])  # rows are sorted longest first
+            padded = [t + [0] * (width - len(t)) for t in decode_tables]
+            meta.decode_tables = torch.tensor(padded, dtype=torch.long).to(self.device)
+            meta.decode_lens = torch.tensor(decode_lens, dtype=torch.long).to(self.device)
         return StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long).to(self.device),
             positions=torch.tensor(positions, dtype=torch.long).to(self.device),

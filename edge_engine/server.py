@@ -152,7 +152,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-name", default=None, help="name served on /v1/models")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8001)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bf16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bf16", "int8", "int4"])
     p.add_argument("--device", default="auto")
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)

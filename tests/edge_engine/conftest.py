@@ -45,7 +45,8 @@ def reference(tiny_hf):
 
 
 def make_engine(path: str, **overrides) -> Engine:
-    options = dict(model=path, num_kv_blocks=64, block_size=4, max_num_batched_tokens=64, max_num_seqs=8)
+    # float32 unless a test asks: exactness against the reference belongs to float32
+    options = dict(model=path, dtype="float32", num_kv_blocks=64, block_size=4, max_num_batched_tokens=64, max_num_seqs=8)
     options.update(overrides)
     return Engine(EngineConfig(**options))
 
@@ -61,4 +62,4 @@ async def tiny_engine(tiny_gguf):
 @pytest.fixture(scope="session")
 def smollm_engine():
     """The real SmolLM2-135M-Instruct, float32 on the CPU (its step thread is started per test)."""
-    return Engine(EngineConfig(num_kv_blocks=256, max_num_batched_tokens=256))
+    return Engine(EngineConfig(dtype="float32", num_kv_blocks=256, max_num_batched_tokens=256))

@@ -168,7 +168,9 @@ def agreement(outputs: list[list[int]], reference: list[list[int]]) -> Agreement
 def perplexity(engine: Engine, token_ids: list[int], chunk: int = 16) -> float:
     """exp(mean negative log-likelihood) of ``token_ids[1:]``, run through the engine's own
     runner and paged cache ``chunk`` tokens per forward pass (16: the decode kernels' path in
-    the quantised modes).  Call it while the engine serves nothing (it borrows KV blocks)."""
+    the quantised modes), at most the engine's context window of them.  Call it while the
+    engine serves nothing (it borrows KV blocks)."""
+    token_ids = token_ids[: engine.max_model_len]
     runner, bm = engine.runner, engine.block_manager
     seq = Sequence(token_ids, SamplingParams(temperature=0))
     nll = 0.0
