@@ -270,6 +270,34 @@ torch::Tensor q4_dequantize(torch::Tensor packed, torch::Tensor scales, torch::T
 }
 
 // ---- the decode step ------------------------------------------------------------------------
+// x[i] = exp(x[i]): 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, p the degree-6 Taylor polynomial
+// (relative error ~1e-7, float32's own).  Softmax and SiLU need ~10^6 of these per step.
+void exp_inplace(float* x, int64_t n) {
+  int64_t i = 0;
+#ifdef EDGE_AVX2
+  const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365478515625f);
+  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+  const __m256 ln2_hi = _mm256_set1_ps(0.693359375f), ln2_lo = _mm256_set1_ps(-2.12194440e-4f);
+  const __m256 c2 = _mm256_set1_ps(1.f / 2), c3 = _mm256_set1_ps(1.f / 6), c4 = _mm256_set1_ps(1.f / 24);
+  const __m256 c5 = _mm256_set1_ps(1.f / 120), c6 = _mm256_set1_ps(1.f / 720), one = _mm256_set1_ps(1.f);
+  for (; i + 8 <= n; i += 8) {
+    __m256 v = _mm256_min_ps(_mm256_max_ps(_mm256_loadu_ps(x + i), lo), hi);
+    const __m256 k = _mm256_round_ps(_mm256_mul_ps(v, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v = _mm256_fnmadd_ps(k, ln2_hi, v);
+    v = _mm256_fnmadd_ps(k, ln2_lo, v);
+    __m256 p = _mm256_fmadd_ps(c6, v, c5);
+    p = _mm256_fmadd_ps(p, v, c4);
+    p = _mm256_fmadd_ps(p, v, c3);
+    p = _mm256_fmadd_ps(p, v, c2);
+    p = _mm256_fmadd_ps(p, v, one);
+    p = _mm256_fmadd_ps(p, v, one);
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    _mm256_storeu_ps(x + i, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+  }
+#endif
+  for (; i < n; ++i) x[i] = std::exp(x[i]);
+}
+
 inline float dot(const float* a, const float* b, int64_t n) {
   float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
@@ -290,6 +318,63 @@ void rope(float* x, const float* cos, const float* ssin, int64_t D) {
   const int64_t h = D / 2;
   for (int64_t i = 0; i < D; ++i) t[i] = x[i] * cos[i] + x[(i + h) % D] * ssin[i];
   std::memcpy(x, t, D * sizeof(float));
+}
+
+// One query head over its paged context: out = softmax(q . K^T * scale) V.  K and V rows of
+// token t sit at (table[t / bs] * bs + t % bs) * slot_stride + kv_offset.
+void attend(const float* q, const float* kc, const float* vc, const int64_t* table, int64_t bs, int64_t slot_stride,
+            int64_t kv_offset, int64_t C, int64_t D, float scale, float* s, float* out) {
+#ifdef EDGE_AVX2
+  if (D == 64) {
+    __m256 qv[8];
+    for (int c = 0; c < 8; ++c) qv[c] = _mm256_mul_ps(_mm256_loadu_ps(q + 8 * c), _mm256_set1_ps(scale));
+    float mx = -INFINITY;
+    for (int64_t t = 0; t < C; ++t) {
+      const float* k = kc + (table[t / bs] * bs + t % bs) * slot_stride + kv_offset;
+      __m256 a0 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k)), a1 = _mm256_mul_ps(qv[1], _mm256_loadu_ps(k + 8));
+      a0 = _mm256_fmadd_ps(qv[2], _mm256_loadu_ps(k + 16), a0);
+      a1 = _mm256_fmadd_ps(qv[3], _mm256_loadu_ps(k + 24), a1);
+      a0 = _mm256_fmadd_ps(qv[4], _mm256_loadu_ps(k + 32), a0);
+      a1 = _mm256_fmadd_ps(qv[5], _mm256_loadu_ps(k + 40), a1);
+      a0 = _mm256_fmadd_ps(qv[6], _mm256_loadu_ps(k + 48), a0);
+      a1 = _mm256_fmadd_ps(qv[7], _mm256_loadu_ps(k + 56), a1);
+      s[t] = hsum(_mm256_add_ps(a0, a1));
+      mx = std::max(mx, s[t]);
+    }
+    for (int64_t t = 0; t < C; ++t) s[t] -= mx;
+    exp_inplace(s, C);
+    float sum = 0.f;
+    for (int64_t t = 0; t < C; ++t) sum += s[t];
+    __m256 o[8];
+    for (int c = 0; c < 8; ++c) o[c] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < C; ++t) {
+      const float* v = vc + (table[t / bs] * bs + t % bs) * slot_stride + kv_offset;
+      const __m256 p = _mm256_set1_ps(s[t]);
+      for (int c = 0; c < 8; ++c) o[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), o[c]);
+    }
+    const __m256 inv = _mm256_set1_ps(1.f / sum);
+    for (int c = 0; c < 8; ++c) _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(o[c], inv));
+    return;
+  }
+#endif
+  float mx = -INFINITY;
+  for (int64_t t = 0; t < C; ++t) {
+    const float* k = kc + (table[t / bs] * bs + t % bs) * slot_stride + kv_offset;
+    s[t] = dot(q, k, D) * scale;
+    mx = std::max(mx, s[t]);
+  }
+  for (int64_t t = 0; t < C; ++t) s[t] -= mx;
+  exp_inplace(s, C);
+  float sum = 0.f;
+  for (int64_t t = 0; t < C; ++t) sum += s[t];
+  for (int64_t d = 0; d < D; ++d) out[d] = 0.f;
+  for (int64_t t = 0; t < C; ++t) {
+    const float* v = vc + (table[t / bs] * bs + t % bs) * slot_stride + kv_offset;
+    const float p = s[t];
+    for (int64_t d = 0; d < D; ++d) out[d] += p * v[d];
+  }
+  const float inv = 1.f / sum;
+  for (int64_t d = 0; d < D; ++d) out[d] *= inv;
 }
 
 // One layer's weights, in the order Q4Decoder takes them (14 tensors).
@@ -354,7 +439,7 @@ class Q4Decoder {
         act(B * ffn_), tmp(B * hidden_), scores(B * H_ * max_len);
     const float* rp = rope_rows.data_ptr<float>();
     const float scale = 1.f / std::sqrt(static_cast<float>(D_));
-    const int64_t group = H_ / KH_;
+    const int64_t group = H_ / KH_;  // query heads per KV head
     for (int64_t l = 0; l < L; ++l) {
       const Layer& w = layers_[l];
       float* kc = k_caches[l].data_ptr<float>();
@@ -368,45 +453,30 @@ class Q4Decoder {
         std::memcpy(kc + slot[b] * slot_stride, r + H_ * D_, slot_stride * sizeof(float));
         std::memcpy(vc + slot[b] * slot_stride, r + (H_ + KH_) * D_, slot_stride * sizeof(float));
       }
-      // attention: one task per (row, kv head), each over its own paged context
-      const int64_t work = B * KH_ * max_len * group * D_;
-      at::parallel_for(0, B * KH_, work < (1 << 16) ? B * KH_ : 1, [&](int64_t begin, int64_t end) {
+      // attention: one task per (row, query head), each over its row's paged context
+      const int64_t work = B * H_ * max_len * D_;
+      at::parallel_for(0, B * H_, work < (1 << 15) ? B * H_ : 1, [&](int64_t begin, int64_t end) {
         for (int64_t task = begin; task < end; ++task) {
-          const int64_t b = task / KH_, g = task % KH_, C = len[b];
+          const int64_t b = task / H_, head = task % H_, C = len[b];
           const int64_t* tb = table + b * W;
-          const float* q = qkv.data() + b * qkv_n + g * group * D_;
-          float* sc = scores.data() + (b * H_ + g * group) * max_len;
-          for (int64_t t = 0; t < C; ++t) {
-            const float* k = kc + (tb[t / bs] * bs + t % bs) * slot_stride + g * D_;
-            for (int64_t j = 0; j < group; ++j) sc[j * max_len + t] = dot(q + j * D_, k, D_) * scale;
-          }
-          for (int64_t j = 0; j < group; ++j) {
-            float* s = sc + j * max_len;
-            float mx = s[0];
-            for (int64_t t = 1; t < C; ++t) mx = std::max(mx, s[t]);
-            float sum = 0.f;
-            for (int64_t t = 0; t < C; ++t) { s[t] = std::exp(s[t] - mx); sum += s[t]; }
-            const float inv = 1.f / sum;
-            float* o = att.data() + b * H_ * D_ + (g * group + j) * D_;
-            for (int64_t d = 0; d < D_; ++d) o[d] = 0.f;
-            for (int64_t t = 0; t < C; ++t) {
-              const float* v = vc + (tb[t / bs] * bs + t % bs) * slot_stride + g * D_;
-              const float p = s[t] * inv;
-#pragma omp simd
-              for (int64_t d = 0; d < D_; ++d) o[d] += p * v[d];
-            }
-          }
+          const int64_t kv_offset = (head / group) * D_;
+          const float* q = qkv.data() + b * qkv_n + head * D_;
+          float* sc = scores.data() + task * max_len;
+          attend(q, kc, vc, tb, bs, slot_stride, kv_offset, C, D_, scale, sc, att.data() + task * D_);
         }
       });
       q4_gemv(att.data(), B, w.wo, tmp.data());
       for (int64_t i = 0; i < B * hidden_; ++i) h[i] += tmp[i];
       for (int64_t b = 0; b < B; ++b) rms_norm(h + b * hidden_, w.ffn_norm, normed.data() + b * hidden_, hidden_, eps_);
       q4_gemv(normed.data(), B, w.w13, gu.data());
-      for (int64_t b = 0; b < B; ++b) {
+      for (int64_t b = 0; b < B; ++b) {  // SiLU(gate) * up
         const float* gate = gu.data() + b * 2 * ffn_;
         const float* up = gate + ffn_;
         float* a = act.data() + b * ffn_;
-        for (int64_t i = 0; i < ffn_; ++i) a[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+        for (int64_t i = 0; i < ffn_; ++i) a[i] = -gate[i];
+        exp_inplace(a, ffn_);
+#pragma omp simd
+        for (int64_t i = 0; i < ffn_; ++i) a[i] = gate[i] / (1.f + a[i]) * up[i];
       }
       q4_gemv(act.data(), B, w.w2, tmp.data());
       for (int64_t i = 0; i < B * hidden_; ++i) h[i] += tmp[i];

