@@ -1,14 +1,30 @@
-"""Edge engine benchmark: the engine vs transformers ``generate()`` on the same model, same run.
+"""Edge engine benchmark: each CPU mode of the engine against transformers ``generate()`` and
+llama.cpp on the same model, in one run.
 
     .venv/bin/python bench/engine.py [--model PATH] [--repeats 3] [--new-tokens 128]
+        [--modes float32,bf16,int8,int4] [--llama-cpp DIR] [--json OUT]
 
-Reports (medians over repeats):
-- single-stream decode tok/s: transformers fp32 vs the engine in float32 and in bf16 (bf16
-  weights, fp32 activations, fp32 output layer), and the memory-bandwidth bound
-  (bytes of weights read per token / measured 2-thread read bandwidth);
-- aggregate tok/s with 16 concurrent streams of mixed prompt lengths, vs own single stream;
+llama.cpp is the bench's own set-up, not a dependency of the project: build
+``llama-cpp-python`` 0.3.36 from source (cmake, several minutes on 2 cores) into a directory
+of its own and pass it with ``--llama-cpp``:
+
+    .venv/bin/python -m pip install --no-deps --target /tmp/llama-cpp-py llama-cpp-python==0.3.36 diskcache
+    .venv/bin/python bench/engine.py --llama-cpp /tmp/llama-cpp-py
+
+It runs the same GGUF file with as many threads as torch uses.  Reports (medians over
+repeats, every contender measured in the same run, interleaved repeat by repeat):
+
+- single-stream decode tok/s (128 new tokens after a ~50-token chat prompt) and TTFT, each
+  mode against transformers fp32 and llama.cpp, with the memory-bandwidth bound of each mode;
+- aggregate tok/s with 16 concurrent streams of mixed prompt lengths, against the mode's own
+  single stream;
+- prefill: TTFT of fresh ~1,000-token prompts per mode;
+- answers: greedy outputs of 50 fixed prompts against float32 (share identical, first
+  divergence) and perplexity on a held-out text (``tests/edge_engine/quality.py``), for each
+  mode and llama.cpp;
+- a decode step's breakdown per mode: the whole step, its linear layers alone, the rest;
 - TTFT with a repeated ~1,000-token system prompt, prefix caching on vs off;
-- peak resident memory; and the same engine figures on CUDA when a GPU is present.
+- resident memory; and the engine on CUDA when a GPU is present.
 """
 
 from __future__ import annotations
@@ -17,6 +33,7 @@ import argparse
 import asyncio
 import gc
 import json
+import math
 import resource
 import statistics
 import sys
@@ -25,12 +42,17 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
 from edge_engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from edge_engine.loader import load_model  # noqa: E402
+from edge_engine.sequence import Sequence  # noqa: E402
+from tests.edge_engine.quality import HELDOUT_TEXT, PROMPTS, agreement, greedy_outputs, perplexity  # noqa: E402
 
 QUESTION = "Explain in a few sentences why the sky is blue, and what makes sunsets red and orange."
+FRANCE = "What is the capital of France?"
+QUALITY_TOKENS = 48
 
 
 def rss_mib() -> float:
@@ -61,13 +83,10 @@ def _timed(fn) -> float:
 
 
 def weight_bytes_per_token(engine: Engine) -> int:
-    """Bytes of weights one decode step reads (all blocks + norm + output layer; not the embedding row)."""
-    total = 0
-    for name, p in engine.runner.model.named_parameters():
-        if name == "tok_embeddings":
-            continue
-        total += p.numel() * p.element_size()
-    return total
+    """Bytes of weights one decode step reads: the blocks, the final norm and the output
+    layer (not the embedding table, of which it reads one row)."""
+    model = engine.runner.model
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p is not model.tok_embeddings)
 
 
 # -- transformers reference -----------------------------------------------------------------
@@ -93,10 +112,10 @@ def build_reference(path: str):
     missing, unexpected = model.load_state_dict(loaded.weights, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     model.tie_weights()
-    return model.float().eval(), loaded.tokenizer
+    return model.float().eval()
 
 
-def hf_tok_s(model, prompt_ids: list[int], new_tokens: int) -> float:
+def hf_run(model, prompt_ids: list[int], new_tokens: int) -> dict:
     ids = torch.tensor([prompt_ids])
     with torch.inference_mode():
         t = time.perf_counter()
@@ -106,10 +125,57 @@ def hf_tok_s(model, prompt_ids: list[int], new_tokens: int) -> float:
         )
         elapsed = time.perf_counter() - t
     assert out.shape[1] - ids.shape[1] == new_tokens
-    return new_tokens / elapsed
+    return {"tokens": new_tokens, "elapsed": elapsed}
 
 
-# -- engine runs -------------------------------------------------------------------------
+# -- llama.cpp ------------------------------------------------------------------------------
+class LlamaCpp:
+    """llama-cpp-python on the same GGUF, greedy, ``threads`` threads."""
+
+    def __init__(self, path: str, threads: int) -> None:
+        import llama_cpp
+
+        self.module = llama_cpp
+        self.path = path
+        self.threads = threads
+        self.llm = llama_cpp.Llama(
+            model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=4096, n_batch=512, verbose=False
+        )
+        self.version = getattr(llama_cpp, "__version__", "?")
+
+    def run(self, prompt_ids: list[int], new_tokens: int, stop_at_eos: bool = False) -> dict:
+        t0 = time.perf_counter()
+        first = None
+        tokens: list[int] = []
+        for token in self.llm.generate(prompt_ids, top_k=1, temp=0.0, reset=True):
+            tokens.append(int(token))
+            if first is None:
+                first = time.perf_counter()
+            if len(tokens) == new_tokens or (stop_at_eos and token == self.llm.token_eos()):
+                break
+        end = time.perf_counter()
+        return {
+            "tokens": len(tokens),
+            "elapsed": end - t0,
+            "ttft": first - t0,
+            "decode_tok_s": (len(tokens) - 1) / (end - first) if len(tokens) > 1 else float("nan"),
+            "ids": tokens,
+        }
+
+    def perplexity(self, token_ids: list[int]) -> float:
+        llm = self.module.Llama(
+            model_path=self.path, n_threads=self.threads, n_threads_batch=self.threads, n_ctx=len(token_ids) + 8,
+            n_batch=512, logits_all=True, verbose=False,
+        )
+        llm.eval(token_ids)
+        logits = torch.from_numpy(llm.scores[: len(token_ids) - 1].copy())  # [n - 1, V]
+        targets = torch.tensor(token_ids[1:])
+        nll = -torch.log_softmax(logits.float(), dim=-1).gather(1, targets[:, None]).sum().item()
+        del llm
+        return math.exp(nll / (len(token_ids) - 1))
+
+
+# -- engine runs ----------------------------------------------------------------------------
 async def one_stream(engine: Engine, prompt, new_tokens: int) -> dict:
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     t0 = time.perf_counter()
@@ -121,15 +187,6 @@ async def one_stream(engine: Engine, prompt, new_tokens: int) -> dict:
             first = time.perf_counter()
     end = time.perf_counter()
     return {"tokens": n, "elapsed": end - t0, "ttft": first - t0, "decode_tok_s": (n - 1) / (end - first)}
-
-
-async def engine_single(engine: Engine, prompt_ids, new_tokens: int, repeats: int) -> dict:
-    await one_stream(engine, prompt_ids, 8)  # warm-up
-    runs = [await one_stream(engine, prompt_ids, new_tokens) for _ in range(repeats)]
-    return {
-        "tok_s": statistics.median(r["tokens"] / r["elapsed"] for r in runs),
-        "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
-    }
 
 
 async def engine_concurrent(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dict:
@@ -145,47 +202,165 @@ async def engine_concurrent(engine: Engine, prompts: list[list[int]], new_tokens
     }
 
 
-async def prefix_ttft(engine: Engine, system: str, repeats: int) -> float:
-    tok = engine.tokenizer
-    ttfts = []
-    for i in range(repeats + 1):
-        messages = [{"role": "system", "content": system}, {"role": "user", "content": f"Question {i}: what is {i} + {i}?"}]
-        r = await one_stream(engine, tok.encode_chat(messages), 1)
-        if i > 0:  # the first request fills the cache (or, without caching, warms up)
-            ttfts.append(r["ttft"])
-    return statistics.median(ttfts) * 1000
-
-
 def mixed_prompts(tok, n: int) -> list[list[int]]:
     base = tok.encode(" ".join([QUESTION] * 40))
-    lengths = [32 + (i * 97) % 257 for i in range(n)]  # 32 .. 288 tokens, spread (mean ~160)
+    lengths = [32 + (i * 97) % 257 for i in range(n)]  # 32 .. 288 tokens, spread (mean ~150)
     return [base[i : i + length] for i, length in enumerate(lengths)]
 
 
-def make_engine(path: str | None, dtype: str, device: str) -> Engine:
-    return Engine(EngineConfig(model=path, dtype=dtype, device=device, num_kv_blocks=1024, max_num_seqs=16))
+def long_prompts(tok, n: int, length: int = 1000) -> list[list[int]]:
+    """``n`` different ``length``-token prompts (different first blocks: no cache hits)."""
+    words = tok.encode(" ".join([HELDOUT_TEXT] * 3))
+    assert len(words) >= 7 * n + length
+    return [words[7 * i : 7 * i + length] for i in range(n)]
 
 
-async def bench_concurrent(engine: Engine, args) -> dict:
-    concurrent = await engine_concurrent(engine, mixed_prompts(engine.tokenizer, 16), args.new_tokens)
-    return {"dtype": engine.runner.dtype_name, "device": str(engine.device), **concurrent}
+def make_engine(path: str | None, dtype: str, device: str = "cpu", **overrides) -> Engine:
+    options = dict(model=path, dtype=dtype, device=device, num_kv_blocks=1024, max_num_seqs=16)
+    options.update(overrides)
+    return Engine(EngineConfig(**options))
 
 
-async def bench_prefix(path: str | None, args) -> dict:
+# -- a decode step's breakdown --------------------------------------------------------------
+def step_breakdown(engine: Engine, prompt_ids: list[int], steps: int = 40) -> dict:
+    """p50 ms of one batch-1 decode step (runner.run, ~60-token context), of its linear layers
+    alone (each called once on a random row), and, for int4, of the same step through
+    model.py's layers instead of the fused C++ decoder."""
+    runner, bm, model = engine.runner, engine.block_manager, engine.runner.model
+
+    def fresh() -> Sequence:
+        seq = Sequence(prompt_ids, SamplingParams(temperature=0))
+        bm.allocate(seq, len(prompt_ids))
+        runner.run([(seq, len(prompt_ids))])
+        seq.num_computed_tokens = len(prompt_ids)
+        return seq
+
+    def linears() -> None:
+        hidden, ffn = model.config.hidden_size, model.config.intermediate_size
+        x, x2 = torch.randn(1, hidden), torch.randn(1, ffn)
+        with torch.inference_mode():
+            for layer in model.layers:
+                layer.attention.wqkv(x)
+                layer.attention.wo(torch.randn(1, model.config.num_heads * model.config.head_dim))
+                layer.feed_forward.w13(x)
+                layer.feed_forward.w2(x2)
+            model.output(x)
+
+    variants = {"step": None}
+    if getattr(model, "decoder", None) is not None:
+        variants["step_layer_by_layer"] = "unfused"
+    times: dict[str, list[float]] = {name: [] for name in [*variants, "linears"]}
+    seq = fresh()
+    for i in range(steps + 3):
+        for name, how in variants.items():
+            decoder = model.decoder if how == "unfused" else None
+            if how == "unfused":
+                model.decoder = None
+            seq.token_ids.append(100)
+            bm.allocate(seq, 1)
+            t = time.perf_counter()
+            runner.run([(seq, 1)])
+            elapsed = time.perf_counter() - t
+            seq.num_computed_tokens += 1
+            if how == "unfused":
+                model.decoder = decoder
+            if i >= 3:
+                times[name].append(elapsed)
+            if seq.num_tokens > len(prompt_ids) + 40:
+                bm.free(seq)
+                seq = fresh()
+        t = time.perf_counter()
+        linears()
+        if i >= 3:
+            times["linears"].append(time.perf_counter() - t)
+    bm.free(seq)
+    out = {f"{name}_ms_p50": statistics.median(v) * 1000 for name, v in times.items()}
+    out["rest_ms_p50"] = out["step_ms_p50"] - out["linears_ms_p50"]
+    return out
+
+
+# -- sections -------------------------------------------------------------------------------
+async def bench_single(engines: dict[str, Engine], hf_model, llama: LlamaCpp | None, prompt: list[int], args) -> dict:
+    """Single stream, every contender once per repeat, interleaved (same machine load)."""
+    runs: dict[str, list[dict]] = {name: [] for name in ["transformers", *(["llama.cpp"] if llama else []), *engines]}
+    for _ in range(args.repeats):
+        runs["transformers"].append(hf_run(hf_model, prompt, args.new_tokens))
+        if llama:
+            runs["llama.cpp"].append(llama.run(prompt, args.new_tokens))
+        for mode, engine in engines.items():
+            runs[mode].append(await one_stream(engine, prompt, args.new_tokens))
     out = {}
+    for name, rs in runs.items():
+        out[name] = {"tok_s": statistics.median(r["tokens"] / r["elapsed"] for r in rs)}
+        if name != "transformers":
+            out[name]["decode_tok_s"] = statistics.median(r["decode_tok_s"] for r in rs)
+            out[name]["ttft_ms"] = statistics.median(r["ttft"] for r in rs) * 1000
+        out[name]["runs_tok_s"] = [r["tokens"] / r["elapsed"] for r in rs]
+    for name in runs:
+        out[name]["vs_transformers"] = out[name]["tok_s"] / out["transformers"]["tok_s"]
+        if llama:
+            out[name]["vs_llama_cpp"] = out[name]["tok_s"] / out["llama.cpp"]["tok_s"]
+    return out
+
+
+async def bench_prefill(engines: dict[str, Engine], args) -> dict:
+    """TTFT of fresh ~1,000-token prompts (1 new token; a new prompt every time, so nothing
+    comes from the prefix cache), modes interleaved."""
+    tok = next(iter(engines.values())).tokenizer
+    prompts = iter(long_prompts(tok, (args.repeats + 1) * len(engines)))
+    for engine in engines.values():  # warm-up
+        await one_stream(engine, next(prompts), 1)
+    ttfts: dict[str, list[float]] = {mode: [] for mode in engines}
+    for _ in range(args.repeats):
+        for mode, engine in engines.items():
+            ttfts[mode].append((await one_stream(engine, next(prompts), 1))["ttft"])
+    n = len(long_prompts(tok, 1)[0])
+    return {mode: {"prompt_tokens": n, "ttft_ms": statistics.median(v) * 1000, "prefill_tok_s": n / statistics.median(v)} for mode, v in ttfts.items()}
+
+
+async def bench_quality(engines: dict[str, Engine], llama: LlamaCpp | None) -> dict:
+    """Greedy outputs of the 50 prompts against float32's, and held-out perplexity."""
+    tok = engines["float32"].tokenizer
+    heldout = tok.encode(HELDOUT_TEXT)
+    outputs: dict[str, list[list[int]]] = {}
+    out: dict[str, dict] = {}
+    for mode, engine in engines.items():
+        outputs[mode] = await greedy_outputs(engine, PROMPTS, QUALITY_TOKENS)
+        out[mode] = {"perplexity": perplexity(engine, heldout)}
+    if llama:
+        ids = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+        outputs["llama.cpp"] = [llama.run(p, QUALITY_TOKENS, stop_at_eos=True)["ids"] for p in ids]
+        out["llama.cpp"] = {"perplexity": llama.perplexity(heldout)}
+    reference_ppl = out["float32"]["perplexity"]
+    for name, result in out.items():
+        result.update(agreement(outputs[name], outputs["float32"]).as_dict())
+        result["perplexity_vs_float32"] = result["perplexity"] / reference_ppl - 1
+        result["france"] = tok.decode(outputs[name][PROMPTS.index(FRANCE)])
+    out["heldout_tokens"] = len(heldout)
+    return out
+
+
+async def bench_prefix(path: str | None, dtype: str, args) -> dict:
+    out = {"dtype": dtype}
     system = None
     for caching in (False, True):
-        engine = Engine(EngineConfig(model=path, dtype="float32", num_kv_blocks=512, enable_prefix_caching=caching))
+        engine = make_engine(path, dtype, num_kv_blocks=512, enable_prefix_caching=caching)
         await engine.start()
         try:
             tok = engine.tokenizer
             if system is None:
-                words = (QUESTION + " ") * 60
-                ids = tok.encode(words)[:1000]
+                ids = tok.encode((QUESTION + " ") * 60)[:1000]
                 system = tok.decode(ids)
                 out["system_prompt_tokens"] = len(tok.encode(system))
-            out["ttft_ms_cached" if caching else "ttft_ms_uncached"] = await prefix_ttft(engine, system, args.repeats + 2)
-            out["hit_rate_cached" if caching else "hit_rate_uncached"] = engine.stats().prefix_cache_hit_rate
+            ttfts = []
+            for i in range(args.repeats + 3):
+                messages = [{"role": "system", "content": system}, {"role": "user", "content": f"Question {i}: what is {i} + {i}?"}]
+                r = await one_stream(engine, tok.encode_chat(messages), 1)
+                if i > 0:  # the first request fills the cache (or, without caching, warms up)
+                    ttfts.append(r["ttft"])
+            key = "cached" if caching else "uncached"
+            out[f"ttft_ms_{key}"] = statistics.median(ttfts) * 1000
+            out[f"hit_rate_{key}"] = engine.stats().prefix_cache_hit_rate
         finally:
             await engine.close()
             del engine
@@ -195,56 +370,68 @@ async def bench_prefix(path: str | None, args) -> dict:
 
 
 async def main_async(args) -> dict:
+    path = args.model or EngineConfig().model_path
+    modes = args.modes.split(",")
+    assert "float32" in modes, "the answers are compared against float32"
     results: dict = {"torch": torch.__version__, "threads": torch.get_num_threads(), "new_tokens": args.new_tokens}
     results["read_bandwidth_gbs"] = read_bandwidth_gbs()
-    rss0 = rss_mib()
-    engines = {dtype: make_engine(args.model, dtype, "cpu") for dtype in ("float32", "bf16")}
-    results["rss_mib_two_engines_loaded"] = rss_mib() - rss0
-    model, tok = build_reference(args.model or EngineConfig().model_path)
+    engines: dict[str, Engine] = {}
+    results["rss_mib_after_load"] = {}
+    for mode in modes:
+        before = rss_mib()
+        engines[mode] = make_engine(args.model, mode)
+        results["rss_mib_after_load"][mode] = rss_mib() - before
+    llama = None
+    if args.llama_cpp:
+        sys.path.insert(0, args.llama_cpp)
+        llama = LlamaCpp(path, torch.get_num_threads())
+        results["llama_cpp_version"] = llama.version
+    hf_model = build_reference(path)
+    tok = engines["float32"].tokenizer
     prompt = tok.encode_chat([{"role": "user", "content": QUESTION}])
     results["prompt_tokens"] = len(prompt)
+
+    # a decode step's breakdown (before the step threads start: the runner is ours alone)
+    results["step_breakdown"] = {mode: step_breakdown(engine, prompt) for mode, engine in engines.items()}
+    print(json.dumps({"step_breakdown": results["step_breakdown"]}), flush=True)
+
     for engine in engines.values():
         await engine.start()
         await one_stream(engine, prompt, 8)  # warm-up
-    hf_tok_s(model, prompt, 8)
+    hf_run(hf_model, prompt, 8)
+    if llama:
+        llama.run(prompt, 8)
 
-    # single stream, interleaved so that the three see the same machine load
-    hf_runs: list[float] = []
-    runs: dict[str, list[dict]] = {d: [] for d in engines}
-    for _ in range(args.repeats):
-        hf_runs.append(hf_tok_s(model, prompt, args.new_tokens))
-        for dtype, engine in engines.items():
-            runs[dtype].append(await one_stream(engine, prompt, args.new_tokens))
-    del model
-    gc.collect()
-    results["transformers_tok_s"] = statistics.median(hf_runs)
-    results["engine"] = {}
-    for dtype, engine in engines.items():
-        r = {
-            "dtype": engine.runner.dtype_name,
-            "tok_s": statistics.median(x["tokens"] / x["elapsed"] for x in runs[dtype]),
-            "decode_tok_s": statistics.median(x["decode_tok_s"] for x in runs[dtype]),
-            "weight_bytes_per_token": weight_bytes_per_token(engine),
-        }
-        r["vs_transformers"] = r["tok_s"] / results["transformers_tok_s"]
+    results["single"] = await bench_single(engines, hf_model, llama, prompt, args)
+    for mode, engine in engines.items():
+        r = results["single"][mode]
+        r["weight_bytes_per_token"] = weight_bytes_per_token(engine)
         r["bandwidth_bound_tok_s"] = results["read_bandwidth_gbs"] * 1e9 / r["weight_bytes_per_token"]
-        r["fraction_of_bound"] = r["decode_tok_s"] / r["bandwidth_bound_tok_s"]
-        results["engine"][dtype] = r
-        print(json.dumps({dtype: r}), flush=True)
+    print(json.dumps({"single": results["single"]}), flush=True)
+    del hf_model
+    gc.collect()
 
-    # 16 concurrent streams of mixed prompt lengths
-    for dtype, engine in engines.items():
-        c = await bench_concurrent(engine, args)
-        r = results["engine"][dtype]
-        r.update(c)
-        r["aggregate_over_single"] = c["aggregate_tok_s"] / r["tok_s"]
-        print(json.dumps({dtype: c}), flush=True)
+    results["concurrent"] = {}
+    for mode, engine in engines.items():
+        c = await engine_concurrent(engine, mixed_prompts(tok, 16), args.new_tokens)
+        c["aggregate_over_single"] = c["aggregate_tok_s"] / results["single"][mode]["tok_s"]
+        results["concurrent"][mode] = c
+        print(json.dumps({mode: c}), flush=True)
+
+    results["prefill"] = await bench_prefill(engines, args)
+    print(json.dumps({"prefill": results["prefill"]}), flush=True)
+
+    if not args.skip_quality:
+        results["quality"] = await bench_quality(engines, llama)
+        print(json.dumps({"quality": results["quality"]}, ensure_ascii=False), flush=True)
+
+    for engine in engines.values():
         await engine.close()
-    del engines, engine
+    del engines, llama
     gc.collect()
     results["peak_rss_mib_engines"] = peak_rss_mib()
 
-    results["prefix"] = await bench_prefix(args.model, args)
+    results["prefix"] = {dtype: await bench_prefix(args.model, dtype, args) for dtype in ("float32", "int4") if dtype in modes}
     print(json.dumps({"prefix": results["prefix"]}), flush=True)
     results["peak_rss_mib"] = peak_rss_mib()
 
@@ -253,8 +440,9 @@ async def main_async(args) -> dict:
         engine = make_engine(args.model, "bf16", "cuda")
         await engine.start()
         try:
-            cuda = await engine_single(engine, prompt, args.new_tokens, args.repeats)
-            cuda.update(await bench_concurrent(engine, args))
+            runs = [await one_stream(engine, prompt, args.new_tokens) for _ in range(args.repeats)]
+            cuda = {"tok_s": statistics.median(r["tokens"] / r["elapsed"] for r in runs)}
+            cuda.update(await engine_concurrent(engine, mixed_prompts(tok, 16), args.new_tokens))
         finally:
             await engine.close()
         cuda["peak_gpu_mib"] = torch.cuda.max_memory_allocated() / 2**20
@@ -263,43 +451,76 @@ async def main_async(args) -> dict:
     return results
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--model", default=None)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--json", default=None, help="also write the results here")
-    args = p.parse_args()
-    results = asyncio.run(main_async(args))
-    text = json.dumps(results, indent=2)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text)
-    e32, e16 = results["engine"]["float32"], results["engine"]["bf16"]
-    print("\n| | tok/s (median) | vs transformers | decode tok/s | % of bandwidth bound | 16 streams tok/s | x own single |")
-    print("|---|---|---|---|---|---|---|")
-    print(f"| transformers generate() fp32 | {results['transformers_tok_s']:.1f} | 1.00x | | | | |")
-    for name, r in (("engine float32", e32), ("engine bf16 weights", e16)):
+def print_tables(results: dict) -> None:
+    single, conc = results["single"], results["concurrent"]
+    has_llama = "llama.cpp" in single
+    print("\n| single stream | tok/s | vs transformers |" + (" vs llama.cpp |" if has_llama else "") + " decode tok/s | TTFT ms | bandwidth bound |")
+    print("|---|---|---|" + ("---|" if has_llama else "") + "---|---|---|")
+    for name, r in single.items():
+        cells = [f"{r['tok_s']:.1f}", f"{r['vs_transformers']:.2f}x"]
+        if has_llama:
+            cells.append(f"{r['vs_llama_cpp']:.2f}x")
+        cells += [f"{r.get('decode_tok_s', float('nan')):.1f}", f"{r.get('ttft_ms', float('nan')):.0f}"]
+        cells.append(f"{r['bandwidth_bound_tok_s']:.0f}" if "bandwidth_bound_tok_s" in r else "")
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    print("\n| 16 streams | aggregate tok/s | x own single | decode-phase tok/s | TTFT p50 ms |")
+    print("|---|---|---|---|---|")
+    for mode, c in conc.items():
+        print(f"| {mode} | {c['aggregate_tok_s']:.1f} | {c['aggregate_over_single']:.1f}x | {c['decode_phase_tok_s']:.1f} | {c['ttft_ms_p50']:.0f} |")
+    print("\n| prefill (fresh ~1,000-token prompt) | TTFT ms | prefill tok/s |")
+    print("|---|---|---|")
+    for mode, p in results["prefill"].items():
+        print(f"| {mode} | {p['ttft_ms']:.0f} | {p['prefill_tok_s']:.0f} |")
+    print("\n| decode step, batch 1 (p50 ms) | step | linear layers alone | rest | step through model.py's layers |")
+    print("|---|---|---|---|---|")
+    for mode, b in results["step_breakdown"].items():
         print(
-            f"| {name} | {r['tok_s']:.1f} | {r['vs_transformers']:.2f}x | {r['decode_tok_s']:.1f} | "
-            f"{100 * r['fraction_of_bound']:.0f}% of {r['bandwidth_bound_tok_s']:.1f} | {r['aggregate_tok_s']:.1f} | "
-            f"{r['aggregate_over_single']:.1f}x |"
+            f"| {mode} | {b['step_ms_p50']:.1f} | {b['linears_ms_p50']:.1f} | {b['rest_ms_p50']:.1f} | "
+            f"{b.get('step_layer_by_layer_ms_p50', float('nan')):.1f} |"
         )
-    pf = results["prefix"]
-    print(
-        f"\nTTFT, {pf['system_prompt_tokens']}-token system prompt: {pf['ttft_ms_uncached']:.0f} ms without prefix caching, "
-        f"{pf['ttft_ms_cached']:.0f} ms with ({pf['speedup']:.1f}x lower)"
-    )
-    print(
-        f"RSS of both CPU engines after loading (weights + 2 x {1024 * 16}-token KV pools): "
-        f"{results['rss_mib_two_engines_loaded']:.0f} MiB; peak RSS of the run {results['peak_rss_mib']:.0f} MiB"
-    )
+    if "quality" in results:
+        q = results["quality"]
+        print(f"\n| answers vs float32 (50 prompts, {QUALITY_TOKENS} tokens; held-out text {q['heldout_tokens']} tokens) | identical | median first divergence | perplexity | vs float32 | France |")
+        print("|---|---|---|---|---|---|")
+        for name, r in q.items():
+            if name == "heldout_tokens":
+                continue
+            div = r["median_first_divergence"]
+            print(
+                f"| {name} | {r['identical']}/{r['prompts']} | {'-' if div is None else f'{div:.0f}'} | {r['perplexity']:.3f} | "
+                f"{100 * r['perplexity_vs_float32']:+.2f} % | {r['france'][:60]!r} |"
+            )
+    for dtype, pf in results["prefix"].items():
+        print(
+            f"\nTTFT ({dtype}), {pf['system_prompt_tokens']}-token system prompt: {pf['ttft_ms_uncached']:.0f} ms without prefix "
+            f"caching, {pf['ttft_ms_cached']:.0f} ms with ({pf['speedup']:.1f}x lower)"
+        )
+    print("RSS added by loading each engine (MiB):", {k: round(v) for k, v in results["rss_mib_after_load"].items()})
+    print(f"peak RSS of the run {results['peak_rss_mib']:.0f} MiB")
     if "cuda" in results:
         c = results["cuda"]
         print(
             f"CUDA ({c['gpu']}, bf16): single stream {c['tok_s']:.1f} tok/s, 16 streams {c['aggregate_tok_s']:.1f} tok/s, "
             f"peak GPU memory {c['peak_gpu_mib']:.0f} MiB"
         )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default=None)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--modes", default="float32,bf16,int8,int4", help="engine CPU modes (float32 is the reference)")
+    p.add_argument("--llama-cpp", default=None, help="directory holding llama-cpp-python (see the docstring)")
+    p.add_argument("--skip-quality", action="store_true")
+    p.add_argument("--json", default=None, help="also write the results here")
+    args = p.parse_args()
+    results = asyncio.run(main_async(args))
+    text = json.dumps(results, indent=2, ensure_ascii=False)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text)
+    print_tables(results)
 
 
 if __name__ == "__main__":
