@@ -11,8 +11,17 @@ of its own and pass it with ``--llama-cpp``:
     .venv/bin/python -m pip install --no-deps --target /tmp/llama-cpp-py llama-cpp-python==0.3.36 diskcache
     .venv/bin/python bench/engine.py --llama-cpp /tmp/llama-cpp-py
 
-It runs the same GGUF file with as many threads as torch uses.  Reports (medians over
-repeats, every contender measured in the same run, interleaved repeat by repeat):
+It runs the same GGUF file with as many threads as torch uses.
+
+One OpenMP pool at a time: torch and llama.cpp share one libgomp, which gives every thread
+that runs a parallel region its own pool of workers for the thread's life, and stops letting
+idle workers spin once the process holds more of them than CPUs -- which roughly halves
+batch-1 decode speed for whoever runs.  So every contender runs on a thread that ends with
+its measurement (``in_thread``), and each engine's step thread is started for its
+measurement and closed after it (``running``).
+
+Reports (medians over repeats, every contender measured in the same run, interleaved repeat
+by repeat):
 
 - single-stream decode tok/s (128 new tokens after a ~50-token chat prompt) and TTFT, each
   mode against transformers fp32 and llama.cpp, with the memory-bandwidth bound of each mode;
@@ -31,12 +40,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import math
 import resource
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -53,6 +64,36 @@ from tests.edge_engine.quality import HELDOUT_TEXT, PROMPTS, agreement, greedy_o
 QUESTION = "Explain in a few sentences why the sky is blue, and what makes sunsets red and orange."
 FRANCE = "What is the capital of France?"
 QUALITY_TOKENS = 48
+
+
+def in_thread(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` on a thread that ends with it (its OpenMP pool goes with it)."""
+    result: list = []
+
+    def run() -> None:
+        try:
+            result.append((True, fn(*args, **kwargs)))
+        except BaseException as exc:
+            result.append((False, exc))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    ok, value = result[0]
+    if not ok:
+        raise value
+    return value
+
+
+@contextlib.asynccontextmanager
+async def running(engine: Engine, warmup_prompt: list[int]):
+    """The engine's step thread for one measurement (then closed: its pool goes too)."""
+    await engine.start()
+    try:
+        await one_stream(engine, warmup_prompt, 8)
+        yield engine
+    finally:
+        await engine.close()
 
 
 def rss_mib() -> float:
@@ -283,12 +324,16 @@ def step_breakdown(engine: Engine, prompt_ids: list[int], steps: int = 40) -> di
 async def bench_single(engines: dict[str, Engine], hf_model, llama: LlamaCpp | None, prompt: list[int], args) -> dict:
     """Single stream, every contender once per repeat, interleaved (same machine load)."""
     runs: dict[str, list[dict]] = {name: [] for name in ["transformers", *(["llama.cpp"] if llama else []), *engines]}
+    in_thread(hf_run, hf_model, prompt, 8)  # warm-ups
+    if llama:
+        in_thread(llama.run, prompt, 8)
     for _ in range(args.repeats):
-        runs["transformers"].append(hf_run(hf_model, prompt, args.new_tokens))
+        runs["transformers"].append(in_thread(hf_run, hf_model, prompt, args.new_tokens))
         if llama:
-            runs["llama.cpp"].append(llama.run(prompt, args.new_tokens))
+            runs["llama.cpp"].append(in_thread(llama.run, prompt, args.new_tokens))
         for mode, engine in engines.items():
-            runs[mode].append(await one_stream(engine, prompt, args.new_tokens))
+            async with running(engine, prompt):
+                runs[mode].append(await one_stream(engine, prompt, args.new_tokens))
     out = {}
     for name, rs in runs.items():
         out[name] = {"tok_s": statistics.median(r["tokens"] / r["elapsed"] for r in rs)}
@@ -307,13 +352,12 @@ async def bench_prefill(engines: dict[str, Engine], args) -> dict:
     """TTFT of fresh ~1,000-token prompts (1 new token; a new prompt every time, so nothing
     comes from the prefix cache), modes interleaved."""
     tok = next(iter(engines.values())).tokenizer
-    prompts = iter(long_prompts(tok, (args.repeats + 1) * len(engines)))
-    for engine in engines.values():  # warm-up
-        await one_stream(engine, next(prompts), 1)
+    prompts = iter(long_prompts(tok, args.repeats * len(engines)))
     ttfts: dict[str, list[float]] = {mode: [] for mode in engines}
     for _ in range(args.repeats):
         for mode, engine in engines.items():
-            ttfts[mode].append((await one_stream(engine, next(prompts), 1))["ttft"])
+            async with running(engine, tok.encode(QUESTION)):
+                ttfts[mode].append((await one_stream(engine, next(prompts), 1))["ttft"])
     n = len(long_prompts(tok, 1)[0])
     return {mode: {"prompt_tokens": n, "ttft_ms": statistics.median(v) * 1000, "prefill_tok_s": n / statistics.median(v)} for mode, v in ttfts.items()}
 
@@ -325,12 +369,13 @@ async def bench_quality(engines: dict[str, Engine], llama: LlamaCpp | None) -> d
     outputs: dict[str, list[list[int]]] = {}
     out: dict[str, dict] = {}
     for mode, engine in engines.items():
-        outputs[mode] = await greedy_outputs(engine, PROMPTS, QUALITY_TOKENS)
-        out[mode] = {"perplexity": perplexity(engine, heldout)}
+        out[mode] = {"perplexity": in_thread(perplexity, engine, heldout)}
+        async with running(engine, tok.encode(QUESTION)):
+            outputs[mode] = await greedy_outputs(engine, PROMPTS, QUALITY_TOKENS)
     if llama:
         ids = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
-        outputs["llama.cpp"] = [llama.run(p, QUALITY_TOKENS, stop_at_eos=True)["ids"] for p in ids]
-        out["llama.cpp"] = {"perplexity": llama.perplexity(heldout)}
+        outputs["llama.cpp"] = in_thread(lambda: [llama.run(p, QUALITY_TOKENS, stop_at_eos=True)["ids"] for p in ids])
+        out["llama.cpp"] = {"perplexity": in_thread(llama.perplexity, heldout)}
     reference_ppl = out["float32"]["perplexity"]
     for name, result in out.items():
         result.update(agreement(outputs[name], outputs["float32"]).as_dict())
@@ -345,7 +390,7 @@ async def bench_prefix(path: str | None, dtype: str, args) -> dict:
     system = None
     for caching in (False, True):
         engine = make_engine(path, dtype, num_kv_blocks=512, enable_prefix_caching=caching)
-        await engine.start()
+        await engine.start()  # the only engine alive (see the module docstring)
         try:
             tok = engine.tokenizer
             if system is None:
@@ -374,33 +419,26 @@ async def main_async(args) -> dict:
     modes = args.modes.split(",")
     assert "float32" in modes, "the answers are compared against float32"
     results: dict = {"torch": torch.__version__, "threads": torch.get_num_threads(), "new_tokens": args.new_tokens}
-    results["read_bandwidth_gbs"] = read_bandwidth_gbs()
+    results["read_bandwidth_gbs"] = in_thread(read_bandwidth_gbs)
     engines: dict[str, Engine] = {}
     results["rss_mib_after_load"] = {}
     for mode in modes:
         before = rss_mib()
-        engines[mode] = make_engine(args.model, mode)
+        engines[mode] = make_engine(args.model, mode)  # built on a thread of its own
         results["rss_mib_after_load"][mode] = rss_mib() - before
     llama = None
     if args.llama_cpp:
         sys.path.insert(0, args.llama_cpp)
-        llama = LlamaCpp(path, torch.get_num_threads())
+        llama = in_thread(LlamaCpp, path, torch.get_num_threads())
         results["llama_cpp_version"] = llama.version
-    hf_model = build_reference(path)
+    hf_model = in_thread(build_reference, path)
     tok = engines["float32"].tokenizer
     prompt = tok.encode_chat([{"role": "user", "content": QUESTION}])
     results["prompt_tokens"] = len(prompt)
 
-    # a decode step's breakdown (before the step threads start: the runner is ours alone)
-    results["step_breakdown"] = {mode: step_breakdown(engine, prompt) for mode, engine in engines.items()}
+    # a decode step's breakdown (the step threads are not running: the runner is ours alone)
+    results["step_breakdown"] = {mode: in_thread(step_breakdown, engine, prompt) for mode, engine in engines.items()}
     print(json.dumps({"step_breakdown": results["step_breakdown"]}), flush=True)
-
-    for engine in engines.values():
-        await engine.start()
-        await one_stream(engine, prompt, 8)  # warm-up
-    hf_run(hf_model, prompt, 8)
-    if llama:
-        llama.run(prompt, 8)
 
     results["single"] = await bench_single(engines, hf_model, llama, prompt, args)
     for mode, engine in engines.items():
@@ -413,7 +451,8 @@ async def main_async(args) -> dict:
 
     results["concurrent"] = {}
     for mode, engine in engines.items():
-        c = await engine_concurrent(engine, mixed_prompts(tok, 16), args.new_tokens)
+        async with running(engine, prompt):
+            c = await engine_concurrent(engine, mixed_prompts(tok, 16), args.new_tokens)
         c["aggregate_over_single"] = c["aggregate_tok_s"] / results["single"][mode]["tok_s"]
         results["concurrent"][mode] = c
         print(json.dumps({mode: c}), flush=True)
@@ -425,8 +464,6 @@ async def main_async(args) -> dict:
         results["quality"] = await bench_quality(engines, llama)
         print(json.dumps({"quality": results["quality"]}, ensure_ascii=False), flush=True)
 
-    for engine in engines.values():
-        await engine.close()
     del engines, llama
     gc.collect()
     results["peak_rss_mib_engines"] = peak_rss_mib()
