@@ -19,9 +19,8 @@ is paused by the scheduler (it keeps its KV blocks) and resumes once the reader 
 the bound, so a client that stops reading costs a few blocks, not a growing queue.  A
 request may carry a deadline (``time.monotonic()``): still waiting when it passes, it is
 dropped without running and its iterator raises ``DeadlineExceededError``.  Closing the
-iterator early
-(``aclose()``, task cancellation, a client that went away) posts a cancellation: the
-sequence is removed and its blocks freed at the next step.  An exception inside a model step
+iterator early (``aclose()``, task cancellation, a client that went away) posts a
+cancellation: the sequence is removed and its blocks freed at the next step.  An exception inside a model step
 fails the sequences of that step with ``EngineError`` and the engine keeps serving.
 """
 
@@ -104,12 +103,12 @@ def _resolve_device(name: str) -> torch.device:
 def _on_fresh_thread(fn):
     """``fn()`` on a thread of its own that ends with it; returns its result or raises.
 
-    Why: torch's OpenMP runtime (libgomp) gives every thread that runs a parallel op its own
-    pool of worker threads for life, and once the process holds more such threads than
-    CPUs it stops letting idle workers spin between parallel regions -- waking them then
-    costs more than the work: a batch-1 int4 decode step took 20 ms instead of 10 on 2
-    cores.  Building the model here, rather than on the caller's thread (the event loop's,
-    or an executor's that lives on), leaves the step thread's pool the only one.
+    Why: torch's OpenMP runtime (libgomp) gives every thread that runs a parallel op a
+    pool of worker threads for as long as that thread lives, and while the process holds
+    more of them than CPUs it stops letting idle workers spin between parallel regions --
+    waking them then costs more than the work: a batch-1 int4 decode step took 20 ms
+    instead of 10 on 2 cores when the model had been built on the (long-lived) caller's
+    thread.  Built here, the model leaves no pool behind; the step thread's is the only one.
     """
     result: list = []
 
