@@ -23,6 +23,11 @@ measurement and closed after it (``running``).
 Reports (medians over repeats, every contender measured in the same run, interleaved repeat
 by repeat):
 
+- the candidate kernels on SmolLM2's shapes (30 layers of distinct weights, so they come
+  from memory as in a decode step), batch 1 and 16: float32 ``F.linear``, PyTorch's
+  ``_weight_int8pack_mm`` and ``_weight_int4pack_mm_for_cpu`` (bf16 activations: their
+  float32 paths are scalar), and ``edge_engine.kernels`` (float32 activations)
+  (``--kernels-only`` runs just this);
 - single-stream decode tok/s (128 new tokens after a ~50-token chat prompt) and TTFT, each
   mode against transformers fp32 and llama.cpp, with the memory-bandwidth bound of each mode;
 - aggregate tok/s with 16 concurrent streams of mixed prompt lengths, against the mode's own
@@ -52,6 +57,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -262,6 +268,83 @@ def make_engine(path: str | None, dtype: str, device: str = "cpu", **overrides) 
     return Engine(EngineConfig(**options))
 
 
+# -- kernels on the model's shapes ----------------------------------------------------------
+def bench_kernels(config, repeats: int = 15) -> dict:
+    """ms per decode token for the linear layers of all blocks and for the output layer, each
+    candidate kernel on its own copy of the weights (random, SmolLM2's shapes), p50 of
+    ``repeats`` sweeps, the candidates interleaved."""
+    from edge_engine import kernels
+
+    hidden, ffn, layers = config.hidden_size, config.intermediate_size, config.num_layers
+    qkv = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+    shapes = [(qkv, hidden), (hidden, config.num_heads * config.head_dim), (2 * ffn, hidden), (hidden, ffn)]
+    gen = torch.Generator().manual_seed(0)
+
+    def weights(n: int, k: int) -> torch.Tensor:
+        return torch.randn(n, k, generator=gen) * 0.05
+
+    def int8pack(w: torch.Tensor):
+        scale = w.abs().amax(dim=1) / 127
+        return torch.round(w / scale[:, None]).to(torch.int8), scale.bfloat16()
+
+    def int4pack(w: torch.Tensor):
+        n, k = w.shape
+        g = w.view(n, k // 32, 32)
+        lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+        s = ((hi - lo) / 15).clamp(min=1e-6)
+        q = torch.round((g - lo) / s).clamp(0, 15).to(torch.int32).view(n, k)
+        sz = torch.cat([s, lo + 8 * s], dim=-1).transpose(0, 1).contiguous().bfloat16()  # [k/32, n, 2]
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), sz
+
+    candidates = {
+        "float32 F.linear": (lambda w: (w,), lambda x, t: F.linear(x, t[0])),
+        "aten int8pack (bf16 x)": (int8pack, lambda x, t: torch.ops.aten._weight_int8pack_mm(x.bfloat16(), *t)),
+        "aten int4pack (bf16 x)": (int4pack, lambda x, t: torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), t[0], 32, t[1])),
+        "edge_engine Q4/Q8 (float32 x)": (kernels.pack_q4, lambda x, t: kernels.q4_linear(x, *t)),
+    }
+    out: dict[str, dict] = {}
+    for rows in (1, 16):
+        xs = {k: torch.randn(rows, k, generator=gen) for k in {k for _, k in shapes}}
+        built = {}
+        for name, (pack, _) in candidates.items():
+            blocks = [[pack(weights(n, k)) for n, k in shapes] for _ in range(layers)]
+            head_pack = kernels.pack_q8 if name.startswith("edge_engine") else pack
+            built[name] = (blocks, head_pack(weights(config.vocab_size, hidden)))
+        times = {name: ([], []) for name in candidates}
+        for r in range(repeats + 2):
+            for name, (_, run) in candidates.items():
+                blocks, head = built[name]
+                t = time.perf_counter()
+                for layer in blocks:
+                    for (n, k), packed in zip(shapes, layer):
+                        run(xs[k], packed)
+                t1 = time.perf_counter()
+                if name.startswith("edge_engine"):
+                    kernels.q8_linear(xs[hidden], *head)
+                else:
+                    run(xs[hidden], head)
+                if r >= 2:
+                    times[name][0].append(t1 - t)
+                    times[name][1].append(time.perf_counter() - t1)
+        for name, (b, h) in times.items():
+            out.setdefault(name, {})[f"batch{rows}"] = {
+                "blocks_ms": statistics.median(b) * 1000,
+                "output_ms": statistics.median(h) * 1000,
+            }
+        del built
+        gc.collect()
+    return out
+
+
+def print_kernels(table: dict) -> None:
+    print("\n| ms per step (p50) | blocks, batch 1 | output layer, batch 1 | blocks, batch 16 | output layer, batch 16 |")
+    print("|---|---|---|---|---|")
+    for name, r in table.items():
+        b1, b16 = r["batch1"], r["batch16"]
+        cells = [b1["blocks_ms"], b1["output_ms"], b16["blocks_ms"], b16["output_ms"]]
+        print(f"| {name} | " + " | ".join(f"{c:.2f}" for c in cells) + " |")
+
+
 # -- a decode step's breakdown --------------------------------------------------------------
 def step_breakdown(engine: Engine, prompt_ids: list[int], steps: int = 40) -> dict:
     """p50 ms of one batch-1 decode step (runner.run, ~60-token context), of its linear layers
@@ -359,7 +442,10 @@ async def bench_prefill(engines: dict[str, Engine], args) -> dict:
             async with running(engine, tok.encode(QUESTION)):
                 ttfts[mode].append((await one_stream(engine, next(prompts), 1))["ttft"])
     n = len(long_prompts(tok, 1)[0])
-    return {mode: {"prompt_tokens": n, "ttft_ms": statistics.median(v) * 1000, "prefill_tok_s": n / statistics.median(v)} for mode, v in ttfts.items()}
+    return {
+        mode: {"prompt_tokens": n, "ttft_ms": statistics.median(v) * 1000, "prefill_tok_s": n / statistics.median(v)}
+        for mode, v in ttfts.items()
+    }
 
 
 async def bench_quality(engines: dict[str, Engine], llama: LlamaCpp | None) -> dict:
@@ -420,6 +506,11 @@ async def main_async(args) -> dict:
     assert "float32" in modes, "the answers are compared against float32"
     results: dict = {"torch": torch.__version__, "threads": torch.get_num_threads(), "new_tokens": args.new_tokens}
     results["read_bandwidth_gbs"] = in_thread(read_bandwidth_gbs)
+    config = load_model(path).config
+    results["kernels"] = in_thread(bench_kernels, config)
+    print(json.dumps({"kernels": results["kernels"]}), flush=True)
+    if args.kernels_only:
+        return results
     engines: dict[str, Engine] = {}
     results["rss_mib_after_load"] = {}
     for mode in modes:
@@ -489,9 +580,13 @@ async def main_async(args) -> dict:
 
 
 def print_tables(results: dict) -> None:
+    print_kernels(results["kernels"])
+    if "single" not in results:
+        return
     single, conc = results["single"], results["concurrent"]
     has_llama = "llama.cpp" in single
-    print("\n| single stream | tok/s | vs transformers |" + (" vs llama.cpp |" if has_llama else "") + " decode tok/s | TTFT ms | bandwidth bound |")
+    llama_column = " vs llama.cpp |" if has_llama else ""
+    print("\n| single stream | tok/s | vs transformers |" + llama_column + " decode tok/s | TTFT ms | bandwidth bound |")
     print("|---|---|---|" + ("---|" if has_llama else "") + "---|---|---|")
     for name, r in single.items():
         cells = [f"{r['tok_s']:.1f}", f"{r['vs_transformers']:.2f}x"]
@@ -503,7 +598,8 @@ def print_tables(results: dict) -> None:
     print("\n| 16 streams | aggregate tok/s | x own single | decode-phase tok/s | TTFT p50 ms |")
     print("|---|---|---|---|---|")
     for mode, c in conc.items():
-        print(f"| {mode} | {c['aggregate_tok_s']:.1f} | {c['aggregate_over_single']:.1f}x | {c['decode_phase_tok_s']:.1f} | {c['ttft_ms_p50']:.0f} |")
+        cells = [f"{c['aggregate_tok_s']:.1f}", f"{c['aggregate_over_single']:.1f}x", f"{c['decode_phase_tok_s']:.1f}"]
+        print(f"| {mode} | " + " | ".join(cells) + f" | {c['ttft_ms_p50']:.0f} |")
     print("\n| prefill (fresh ~1,000-token prompt) | TTFT ms | prefill tok/s |")
     print("|---|---|---|")
     for mode, p in results["prefill"].items():
@@ -517,7 +613,8 @@ def print_tables(results: dict) -> None:
         )
     if "quality" in results:
         q = results["quality"]
-        print(f"\n| answers vs float32 (50 prompts, {QUALITY_TOKENS} tokens; held-out text {q['heldout_tokens']} tokens) | identical | median first divergence | perplexity | vs float32 | France |")
+        title = f"answers vs float32 (50 prompts, {QUALITY_TOKENS} tokens; held-out text {q['heldout_tokens']} tokens)"
+        print(f"\n| {title} | identical | median first divergence | perplexity | vs float32 | France |")
         print("|---|---|---|---|---|---|")
         for name, r in q.items():
             if name == "heldout_tokens":
@@ -550,6 +647,7 @@ def main() -> None:
     p.add_argument("--modes", default="float32,bf16,int8,int4", help="engine CPU modes (float32 is the reference)")
     p.add_argument("--llama-cpp", default=None, help="directory holding llama-cpp-python (see the docstring)")
     p.add_argument("--skip-quality", action="store_true")
+    p.add_argument("--kernels-only", action="store_true", help="only the kernel comparison")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args()
     results = asyncio.run(main_async(args))

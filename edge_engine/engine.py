@@ -100,8 +100,9 @@ def _resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _on_fresh_thread(fn):
-    """``fn()`` on a thread of its own that ends with it; returns its result or raises.
+def _on_fresh_thread(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` on a thread of its own that ends with it; returns its result
+    or raises.
 
     Why: torch's OpenMP runtime (libgomp) gives every thread that runs a parallel op a
     pool of worker threads for as long as that thread lives, and while the process holds
@@ -114,7 +115,7 @@ def _on_fresh_thread(fn):
 
     def run() -> None:
         try:
-            result.append((True, fn()))
+            result.append((True, fn(*args, **kwargs)))
         except BaseException as exc:  # re-raised on the caller's thread
             result.append((False, exc))
 
@@ -152,15 +153,14 @@ class Engine:
         self.block_size = config.block_size
         self.num_kv_blocks = self._num_kv_blocks(kv_dtype)
         self.runner = _on_fresh_thread(
-            lambda: ModelRunner(
-                loaded.config,
-                loaded.weights,
-                device=self.device,
-                dtype=config.dtype,
-                num_blocks=self.num_kv_blocks,
-                block_size=self.block_size,
-                max_model_len=self.max_model_len,
-            )
+            ModelRunner,
+            loaded.config,
+            loaded.weights,
+            device=self.device,
+            dtype=config.dtype,
+            num_blocks=self.num_kv_blocks,
+            block_size=self.block_size,
+            max_model_len=self.max_model_len,
         )
         del loaded
         self.block_manager = BlockManager(self.num_kv_blocks, self.block_size, config.enable_prefix_caching)

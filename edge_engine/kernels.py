@@ -28,13 +28,16 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 import platform
+import time
 
 import torch
 
 __all__ = [
     "MAX_ROWS",
     "available",
+    "build_directory",
     "pack_q4",
     "pack_q8",
     "q4_decoder",
@@ -49,6 +52,7 @@ logger = logging.getLogger("edge_engine")
 
 GROUP = 32  # inputs per scale (llama.cpp's QK4_1 = QK8_0 = 32)
 MAX_ROWS = 16  # rows of x per call (the kernels keep one accumulator per row)
+_STALE_LOCK_S = 600  # a build lock older than this was left by a build that died
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -396,7 +400,8 @@ class Q4Decoder {
     TORCH_CHECK(D_ <= 512 && H_ % KH_ == 0, "bad attention shape");
     for (size_t i = 0; i < params_.size(); i += 14) {
       const auto& p = params_;
-      for (size_t j : {i, i + 7}) TORCH_CHECK(p[j].scalar_type() == torch::kFloat && p[j].is_contiguous(), "norm weights must be float32");
+      for (size_t j : {i, i + 7})
+        TORCH_CHECK(p[j].scalar_type() == torch::kFloat && p[j].is_contiguous(), "norm weights must be float32");
       layers_.push_back({p[i].data_ptr<float>(), q4_of(p[i + 1], p[i + 2], p[i + 3]), q4_of(p[i + 4], p[i + 5], p[i + 6]),
                          p[i + 7].data_ptr<float>(), q4_of(p[i + 8], p[i + 9], p[i + 10]), q4_of(p[i + 11], p[i + 12], p[i + 13])});
     }
@@ -420,7 +425,8 @@ class Q4Decoder {
       for (const auto& c : *cs)
         TORCH_CHECK(c.scalar_type() == torch::kFloat && c.is_contiguous() && c.dim() == 4 && c.size(2) == KH_ && c.size(3) == D_,
                     "caches must be [num_blocks, block_size, KH, D] float32");
-    for (const auto* t : {&slots, &tables, &lens}) TORCH_CHECK(t->scalar_type() == torch::kLong && t->is_contiguous(), "int64 metadata");
+    for (const auto* t : {&slots, &tables, &lens})
+      TORCH_CHECK(t->scalar_type() == torch::kLong && t->is_contiguous(), "int64 metadata");
     TORCH_CHECK(tables.size(0) == B && slots.size(0) == B && lens.size(0) == B, "one entry per row");
     rope_rows = rope_rows.contiguous();
     auto out = x.to(torch::kFloat).contiguous().clone();
@@ -520,6 +526,18 @@ def _cpu_fingerprint() -> str:
     return flags or platform.processor() or platform.machine()
 
 
+_CFLAGS, _LDFLAGS = ["-O3", "-march=native", "-fopenmp"], ["-fopenmp"]
+
+
+def build_directory() -> str:
+    """Where this source, for this CPU, torch and Python, is compiled (torch's extension root)."""
+    from torch.utils import cpp_extension
+
+    key = "\n".join([_SOURCE, _cpu_fingerprint(), torch.__version__, platform.python_version(), *_CFLAGS])
+    name = f"edge_engine_kernels_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    return os.path.join(cpp_extension.get_default_build_root(), name)
+
+
 @functools.cache
 def _module():
     """Compile (first call on this machine: ~1 min) or load the cached build; None if that
@@ -528,17 +546,23 @@ def _module():
         return None
     from torch.utils import cpp_extension  # imported lazily: only the int4 mode needs it
 
-    # -fopenmp: at::parallel_for is inlined here, and splits rows over torch's own OpenMP
-    # threads only when this file is compiled with OpenMP (else it runs them all on one)
-    cflags, ldflags = ["-O3", "-march=native", "-fopenmp"], ["-fopenmp"]
-    key = "\n".join([_SOURCE, _cpu_fingerprint(), torch.__version__, *cflags])
-    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    build_dir = build_directory()
     try:
+        os.makedirs(build_dir, exist_ok=True)
+        # a build killed half-way leaves its lock behind, and every later start would wait on
+        # it for ever: a lock older than any real build (~1 min) is stale
+        lock = os.path.join(build_dir, "lock")
+        if os.path.exists(lock) and time.time() - os.path.getmtime(lock) > _STALE_LOCK_S:
+            logger.warning("edge_engine: removing a stale kernel build lock %s", lock)
+            os.remove(lock)
+        # -fopenmp: at::parallel_for is inlined here, and splits rows over torch's own OpenMP
+        # threads only when this file is compiled with OpenMP (else it runs them all on one)
         return cpp_extension.load_inline(
-            name=f"edge_engine_kernels_{digest}",
+            name=os.path.basename(build_dir),
             cpp_sources=[_SOURCE],
-            extra_cflags=cflags,
-            extra_ldflags=ldflags,
+            extra_cflags=_CFLAGS,
+            extra_ldflags=_LDFLAGS,
+            build_directory=build_dir,
             verbose=False,
         )
     except Exception as exc:  # a missing compiler or ninja shows up here, in many forms

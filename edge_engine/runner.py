@@ -155,7 +155,7 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long).to(self.device), prefills=prefills
         )
         meta.decodes = self._decode_groups(decode_tables, decode_lens)
-        if decode_tables and not prefills:  # a pure decode step: every row's blocks, for fused decoders
+        if decode_tables and not prefills and self.model.decoder is not None:  # a pure decode step, for the fused decoder
             width = len(decode_tables[0])  # rows are sorted longest first
             padded = [t + [0] * (width - len(t)) for t in decode_tables]
             meta.decode_tables = torch.tensor(padded, dtype=torch.long).to(self.device)

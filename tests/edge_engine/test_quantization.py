@@ -4,6 +4,9 @@ their answers hold against float32 (tiny model here; SmolLM2 in test_real_model)
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -35,6 +38,21 @@ def test_the_kernels_build_here():
     assert kernels.available()
 
 
+def test_a_stale_build_lock_does_not_hang_the_next_start():
+    """A build killed half-way leaves torch's lock file behind; a later start must not wait
+    on it for ever (it did: torch's FileBaton polls until the file goes)."""
+    assert kernels.available()
+    lock = os.path.join(kernels.build_directory(), "lock")
+    with open(lock, "w"):
+        pass
+    old = os.path.getmtime(lock) - 3600
+    os.utime(lock, (old, old))
+    code = "from edge_engine import kernels; import sys; sys.exit(0 if kernels.available() else 1)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert not os.path.exists(lock)
+
+
 def test_q4_and_q8_grids_recover_a_gguf_files_weights_exactly():
     w4 = q41((96, 128))
     assert torch.equal(kernels.unpack_q4(*kernels.pack_q4(w4)), w4)
@@ -49,7 +67,9 @@ def test_q4_and_q8_grids_recover_a_gguf_files_weights_exactly():
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16])
-@pytest.mark.parametrize(("out_features", "in_features"), [pytest.param(96, 128, id="96x128"), pytest.param(576, 1536, id="576x1536")])
+@pytest.mark.parametrize(
+    ("out_features", "in_features"), [pytest.param(96, 128, id="96x128"), pytest.param(576, 1536, id="576x1536")]
+)
 def test_q4_and_q8_kernels_equal_a_float32_matmul_with_the_same_weights(rows, out_features, in_features):
     torch.manual_seed(rows)
     x = torch.randn(rows, in_features)

@@ -164,7 +164,8 @@ def test_expired_waiting_sequences_are_removed_unstarted_ones_only():
     started.deadline = 5.0
     sched.add(started)
     run_step(sched)
-    late, in_time, no_deadline = seq_of(3, start=20, arrival=2.0), seq_of(3, start=40, arrival=3.0), seq_of(3, start=60, arrival=4.0)
+    late, in_time = seq_of(3, start=20, arrival=2.0), seq_of(3, start=40, arrival=3.0)
+    no_deadline = seq_of(3, start=60, arrival=4.0)
     late.deadline, in_time.deadline = 10.0, 30.0
     for s in (late, in_time, no_deadline):
         sched.add(s)

@@ -157,7 +157,12 @@ HUGE = "x" * 3_900_000
         pytest.param("chat", {"messages": [{"role": "user", "content": HUGE}]}, "messages", id="chat"),
         pytest.param(
             "chat",
-            {"messages": [{"role": "system", "content": HUGE[:2_000_000]}, {"role": "user", "content": [{"type": "text", "text": HUGE[:1_900_000]}]}]},
+            {
+                "messages": [
+                    {"role": "system", "content": HUGE[:2_000_000]},
+                    {"role": "user", "content": [{"type": "text", "text": HUGE[:1_900_000]}]},
+                ]
+            },
             "messages",
             id="chat-split-over-messages",
         ),
@@ -193,8 +198,8 @@ async def test_a_deadline_that_passes_in_the_queue_is_504(tiny_gguf):
             blocker = engine.generate("Hello", SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
             await blocker.__anext__()
             for stream in (False, True):
-                request = client.post("/v1/chat/completions", json={**CHAT, "stream": stream}, headers={"x-latency-budget-ms": "30"})
-                r = await asyncio.wait_for(request, 10)
+                budget = {"x-latency-budget-ms": "30"}
+                r = await asyncio.wait_for(client.post("/v1/chat/completions", json={**CHAT, "stream": stream}, headers=budget), 10)
                 assert r.status_code == 504, r.text
                 assert r.json()["error"]["code"] == "deadline_exceeded"
             r = await client.post("/v1/chat/completions", json=CHAT, headers={"x-latency-budget-ms": "soon"})
