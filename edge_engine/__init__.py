@@ -15,6 +15,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 __all__ = [
+    "DeadlineExceededError",
     "Delta",
     "Engine",
     "EngineClosedError",
@@ -32,6 +33,7 @@ __all__ = [
 ]
 
 _WHERE = {
+    "DeadlineExceededError": "errors",
     "Delta": "sequence",
     "Engine": "engine",
     "EngineClosedError": "errors",
@@ -51,7 +53,7 @@ _WHERE = {
 if TYPE_CHECKING:
     from .config import EngineConfig, ModelConfig, default_model_path
     from .engine import Engine, EngineStats
-    from .errors import EngineClosedError, EngineError, EngineOverloadedError, InvalidRequestError
+    from .errors import DeadlineExceededError, EngineClosedError, EngineError, EngineOverloadedError, InvalidRequestError
     from .sampling import SamplingParams
     from .sequence import Delta, Priority
     from .serving import OpenAIServing, PreparedRequest

@@ -35,8 +35,9 @@ class EngineConfig:
     model: str | None = None
     # name served on /v1/models; None = derived from the model file or directory name
     model_name: str | None = None
-    # "auto" (bf16 on CUDA, float32 on CPU), "float32", or "bf16" (on CPU: bf16 weights,
-    # float32 activations, float32 output layer)
+    # "auto" (bf16 on CUDA; on CPU int4, or float32 where int4's kernels cannot be compiled),
+    # "float32", "bf16" (on CPU: bf16 weights, float32 activations and output layer), or the
+    # CPU weight-only modes "int8" (per-channel scales) and "int4" (Q4_1 grid, compiled kernels)
     dtype: str = "auto"
     # "auto" (cuda when available, else cpu), "cpu", "cuda" or "cuda:N"
     device: str = "auto"
@@ -57,6 +58,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     # waiting sequences beyond which requests are refused with EngineOverloadedError (503)
     max_queue_len: int = 256
+    # unread deltas per request beyond which its sequence is paused (keeps its KV blocks)
+    # until the reader catches up: a client that stops reading costs no growing queue
+    max_pending_outputs: int = 64
     # share full KV blocks between sequences by a hash chain of their tokens
     enable_prefix_caching: bool = True
     # torch intra-op threads on the CPU; None = torch's default
@@ -65,8 +69,8 @@ class EngineConfig:
     stats_window: int = 128
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("auto", "float32", "fp32", "bf16", "bfloat16"):
-            raise ValueError(f"dtype must be auto, float32 or bf16, not {self.dtype!r}")
+        if self.dtype not in ("auto", "float32", "fp32", "bf16", "bfloat16", "int8", "int4"):
+            raise ValueError(f"dtype must be auto, float32, bf16, int8 or int4, not {self.dtype!r}")
         if self.dtype == "fp32":
             self.dtype = "float32"
         if self.dtype == "bfloat16":
@@ -75,7 +79,14 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda[:N], not {self.device!r}")
         if self.model is not None and not os.path.exists(self.model):
             raise ValueError(f"model: {self.model!r} does not exist")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_queue_len", "stats_window"):
+        for name in (
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_queue_len",
+            "max_pending_outputs",
+            "stats_window",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

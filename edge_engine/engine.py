@@ -13,9 +13,14 @@ Lifecycle::
 The model runs on its own thread, so the event loop never blocks on a forward pass.  Each
 step the thread takes new requests and cancellations from an inbox, runs
 schedule -> run -> postprocess, and hands each request's delta to that request's
-``asyncio.Queue`` with ``loop.call_soon_threadsafe``.  Closing the iterator early
-(``aclose()``, task cancellation, a client that went away) posts a cancellation: the
-sequence is removed and its blocks freed at the next step.  An exception inside a model step
+``asyncio.Queue`` with ``loop.call_soon_threadsafe``.  That queue is bounded by flow
+control, not by its size: a sequence whose reader has ``max_pending_outputs`` deltas unread
+is paused by the scheduler (it keeps its KV blocks) and resumes once the reader drains below
+the bound, so a client that stops reading costs a few blocks, not a growing queue.  A
+request may carry a deadline (``time.monotonic()``): still waiting when it passes, it is
+dropped without running and its iterator raises ``DeadlineExceededError``.  Closing the
+iterator early (``aclose()``, task cancellation, a client that went away) posts a
+cancellation: the sequence is removed and its blocks freed at the next step.  An exception inside a model step
 fails the sequences of that step with ``EngineError`` and the engine keeps serving.
 """
 
@@ -36,7 +41,13 @@ import torch
 
 from .block_manager import BlockManager
 from .config import EngineConfig
-from .errors import EngineClosedError, EngineError, EngineOverloadedError, InvalidRequestError
+from .errors import (
+    DeadlineExceededError,
+    EngineClosedError,
+    EngineError,
+    EngineOverloadedError,
+    InvalidRequestError,
+)
 from .kv_cache import available_memory_bytes, kv_bytes_per_block
 from .loader import load_model
 from .runner import ModelRunner, resolve_dtypes
@@ -62,6 +73,7 @@ class EngineStats:
     max_model_len: int
     num_waiting: int  # queue depth
     num_running: int
+    num_paused: int  # running, but their readers are max_pending_outputs deltas behind
     num_kv_blocks_total: int
     num_kv_blocks_used: int
     num_kv_blocks_free: int  # includes cached blocks nobody holds (evictable)
@@ -74,6 +86,7 @@ class EngineStats:
     num_requests_finished: int
     num_preemptions: int
     num_step_failures: int
+    num_deadline_drops: int  # waiting requests dropped unstarted because their deadline passed
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -85,6 +98,34 @@ def _resolve_device(name: str) -> torch.device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("device: CUDA was asked for but torch.cuda.is_available() is False")
     return torch.device(name)
+
+
+def _on_fresh_thread(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` on a thread of its own that ends with it; returns its result
+    or raises.
+
+    Why: torch's OpenMP runtime (libgomp) gives every thread that runs a parallel op a
+    pool of worker threads for as long as that thread lives, and while the process holds
+    more of them than CPUs it stops letting idle workers spin between parallel regions --
+    waking them then costs more than the work: a batch-1 int4 decode step took 20 ms
+    instead of 10 on 2 cores when the model had been built on the (long-lived) caller's
+    thread.  Built here, the model leaves no pool behind; the step thread's is the only one.
+    """
+    result: list = []
+
+    def run() -> None:
+        try:
+            result.append((True, fn(*args, **kwargs)))
+        except BaseException as exc:  # re-raised on the caller's thread
+            result.append((False, exc))
+
+    thread = threading.Thread(target=run, name="edge-engine-build")
+    thread.start()
+    thread.join()
+    ok, value = result[0]
+    if not ok:
+        raise value
+    return value
 
 
 def _parse_priority(priority: int | str) -> int:
@@ -102,16 +143,17 @@ class Engine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = _resolve_device(config.device)
+        _, _, kv_dtype = resolve_dtypes(config.dtype, self.device)  # a bad dtype/device pair fails before loading
         loaded = load_model(config.model_path)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_name = config.model_name or loaded.name
         self.model_path = loaded.path
         self.max_model_len = config.max_model_len or min(loaded.config.max_position_embeddings, _DEFAULT_MAX_MODEL_LEN)
-        _, _, kv_dtype = resolve_dtypes(config.dtype, self.device)
         self.block_size = config.block_size
         self.num_kv_blocks = self._num_kv_blocks(kv_dtype)
-        self.runner = ModelRunner(
+        self.runner = _on_fresh_thread(
+            ModelRunner,
             loaded.config,
             loaded.weights,
             device=self.device,
@@ -126,12 +168,16 @@ class Engine:
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            max_pending_outputs=config.max_pending_outputs,
         )
         self._eos_ids = set(self.tokenizer.eos_token_ids)
+        _ = self.tokenizer.max_token_chars  # computed once, now rather than on the first request
         # inbox, filled by the event loop, drained by the step thread
         self._cond = threading.Condition()
         self._pending_adds: list[Sequence] = []
         self._pending_aborts: list[Sequence] = []
+        self._wakeup = False  # a paused sequence's reader caught up
+        self._last_step_ran = True  # False: sleep until the inbox, a reader or a deadline says otherwise
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._closed = False
@@ -140,6 +186,7 @@ class Engine:
         self._tpots: deque[float] = deque(maxlen=config.stats_window)
         self.num_requests_finished = 0
         self.num_step_failures = 0
+        self.num_deadline_drops = 0
 
     def _num_kv_blocks(self, kv_dtype: torch.dtype) -> int:
         config = self.config
@@ -231,6 +278,23 @@ class Engine:
             )
         return params.max_tokens
 
+    def check_prompt_chars(self, num_chars: int, prompt_param: str = "prompt") -> None:
+        """Refuse, before tokenising it, a prompt whose length in characters proves it cannot
+        fit: it has at least ``ceil(num_chars / max_token_chars)`` tokens.  (A 3.9 MB prompt
+        took ~3.3 s to tokenise only to be refused by ``validate``.)"""
+        per_token = self.tokenizer.max_token_chars
+        if per_token is None:
+            return
+        min_tokens = -(-num_chars // per_token)
+        limit = min(self.max_model_len, self.num_kv_tokens)
+        if min_tokens >= limit:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {limit} tokens; the prompt has {num_chars} "
+                f"characters, i.e. at least {min_tokens} tokens, leaving no room for a completion.",
+                prompt_param,
+                "context_length_exceeded",
+            )
+
     def check_capacity(self) -> None:
         """Raise ``EngineOverloadedError`` when the waiting queue is at its limit."""
         if self._closed:
@@ -250,19 +314,34 @@ class Engine:
         *,
         request_id: str | None = None,
         priority: int | str = Priority.INTERACTIVE,
+        deadline: float | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
         queue: asyncio.Queue | None = None,
     ) -> Sequence:
         """Validate and enqueue; returns the sequence whose deltas go to ``queue``.
 
-        Most callers want ``generate``; this is its non-iterator half.
+        ``deadline`` is a ``time.monotonic()`` value: if the sequence has not started by
+        then it is dropped with ``DeadlineExceededError``.  The reader of ``queue`` must call
+        ``consumed(seq)`` for each item it takes (flow control).  Most callers want
+        ``generate``, which does; this is its non-iterator half.
         """
         params = params if params is not None else SamplingParams()
-        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if isinstance(prompt, str):
+            self.check_prompt_chars(len(prompt))
+            prompt_ids = self.tokenizer.encode(prompt)
+        else:
+            prompt_ids = list(prompt)
         max_tokens = self.validate(prompt_ids, params)
         self.check_capacity()
+        if deadline is not None and deadline <= time.monotonic():
+            raise DeadlineExceededError()
         seq = Sequence(
-            prompt_ids, params, request_id=request_id or "", priority=_parse_priority(priority), max_tokens=max_tokens
+            prompt_ids,
+            params,
+            request_id=request_id or "",
+            priority=_parse_priority(priority),
+            max_tokens=max_tokens,
+            deadline=deadline,
         )
         seq.generator = torch.Generator(device=self.device)
         seq.generator.manual_seed(params.seed if params.seed is not None else random.getrandbits(63))
@@ -280,6 +359,15 @@ class Engine:
             self._pending_aborts.append(seq)
             self._cond.notify()
 
+    def consumed(self, seq: Sequence) -> None:
+        """The reader took one item of ``seq``'s queue; wakes the step thread when that
+        brings a paused sequence back under ``max_pending_outputs``."""
+        seq.num_outputs_consumed += 1
+        if seq.num_pending_outputs == self.config.max_pending_outputs - 1:
+            with self._cond:
+                self._wakeup = True
+                self._cond.notify()
+
     async def generate(
         self,
         prompt: str | list[int],
@@ -287,18 +375,21 @@ class Engine:
         *,
         request_id: str | None = None,
         priority: int | str = Priority.INTERACTIVE,
+        deadline: float | None = None,
     ) -> AsyncIterator[Delta]:
         """Yield deltas until one carries ``finish_reason``.
 
         Raises ``InvalidRequestError`` / ``EngineOverloadedError`` on the first iteration when
-        the request is refused, and ``EngineError`` if a model step fails.
+        the request is refused, ``DeadlineExceededError`` if ``deadline`` (``time.monotonic()``)
+        passes before the request starts, and ``EngineError`` if a model step fails.
         """
-        seq = self.add_request(prompt, params, request_id=request_id, priority=priority)
+        seq = self.add_request(prompt, params, request_id=request_id, priority=priority, deadline=deadline)
         queue: asyncio.Queue = seq.sink[1]
         done = False
         try:
             while True:
                 item = await queue.get()
+                self.consumed(seq)
                 if isinstance(item, BaseException):
                     done = True
                     raise item
@@ -315,22 +406,36 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not (self._stopping or self._pending_adds or self._pending_aborts or self.scheduler.has_work()):
-                    self._cond.wait()
+                # after a step that scheduled nothing (all paused, or blocked on blocks held by
+                # paused sequences), sleep until something changes or a deadline comes due
+                while not (
+                    self._stopping
+                    or self._pending_adds
+                    or self._pending_aborts
+                    or self._wakeup
+                    or (self._last_step_ran and self.scheduler.has_work())
+                ):
+                    deadline = self.scheduler.next_deadline()
+                    timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+                    if not self._cond.wait(timeout) and timeout is not None:
+                        break  # a deadline came due
                 if self._stopping:
                     break
                 adds, self._pending_adds = self._pending_adds, []
                 aborts, self._pending_aborts = self._pending_aborts, []
+                self._wakeup = False
             try:
                 for seq in adds:
                     self.scheduler.add(seq)
                 for seq in aborts:
                     if not seq.is_finished:
                         self.scheduler.finish(seq, "abort")
-                events = self.step()
+                events = self._drop_expired()
+                events += self.step()
             except Exception as exc:  # a bug outside the model call: fail what is running, keep going
                 logger.exception("engine step failed")
                 self.num_step_failures += 1
+                self._last_step_ran = True
                 events = self._fail_all(EngineError(f"engine step failed: {exc!r}"))
             try:
                 self._deliver(events)
@@ -342,6 +447,11 @@ class Engine:
         for seq in adds:
             self.scheduler.add(seq)
         self._deliver(self._fail_all(EngineClosedError("the edge engine was closed")))
+
+    def _drop_expired(self) -> list[tuple[Sequence, object]]:
+        expired = self.scheduler.remove_expired(time.monotonic())
+        self.num_deadline_drops += len(expired)
+        return [(seq, DeadlineExceededError()) for seq in expired]
 
     def _fail_all(self, error: EngineError) -> list[tuple[Sequence, object]]:
         events: list[tuple[Sequence, object]] = []
@@ -356,6 +466,7 @@ class Engine:
         Runs on the step thread; call it directly only on an engine whose thread is not started.
         """
         out = self.scheduler.schedule()
+        self._last_step_ran = bool(out)
         if not out:
             return []
         try:
@@ -430,6 +541,7 @@ class Engine:
     def _deliver(self, events: list[tuple[Sequence, object]]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
         for seq, item in events:
+            seq.num_outputs_produced += 1
             loop, queue = seq.sink
             by_loop.setdefault(loop, []).append((queue, item))
         for loop, items in by_loop.items():
@@ -451,6 +563,7 @@ class Engine:
             max_model_len=self.max_model_len,
             num_waiting=self.scheduler.num_waiting + len(self._pending_adds),
             num_running=self.scheduler.num_running,
+            num_paused=self.scheduler.num_paused,
             num_kv_blocks_total=bm.num_blocks,
             num_kv_blocks_used=bm.num_used_blocks,
             num_kv_blocks_free=bm.num_free_blocks,
@@ -463,6 +576,7 @@ class Engine:
             num_requests_finished=self.num_requests_finished,
             num_preemptions=self.scheduler.num_preemptions,
             num_step_failures=self.num_step_failures,
+            num_deadline_drops=self.num_deadline_drops,
         )
 
     def __repr__(self) -> str:

@@ -5,6 +5,7 @@ Hierarchy::
     EngineError                   something went wrong inside the engine (-> HTTP 500)
     ├── InvalidRequestError       bad input: names the parameter (-> HTTP 400)
     ├── EngineOverloadedError     waiting queue full (-> HTTP 503 + Retry-After)
+    ├── DeadlineExceededError     the request's deadline passed before it started (-> HTTP 504)
     └── EngineClosedError         the engine is not running (-> HTTP 503)
 
 The gateway translates these at its seam; ``edge_engine.server`` does the same for the
@@ -13,7 +14,13 @@ standalone server.
 
 from __future__ import annotations
 
-__all__ = ["EngineError", "InvalidRequestError", "EngineOverloadedError", "EngineClosedError"]
+__all__ = [
+    "DeadlineExceededError",
+    "EngineClosedError",
+    "EngineError",
+    "EngineOverloadedError",
+    "InvalidRequestError",
+]
 
 
 class EngineError(Exception):
@@ -53,6 +60,18 @@ class EngineOverloadedError(EngineError):
     def __init__(self, message: str, retry_after: int = 1) -> None:
         super().__init__(message, code="engine_overloaded")
         self.retry_after = retry_after
+
+
+class DeadlineExceededError(EngineError):
+    """The request's deadline (a ``time.monotonic()`` value) passed while it was still
+    waiting: it was dropped without running, since an answer after the deadline is of no use
+    to the caller and the compute is better spent on the requests still in time."""
+
+    status_code = 504
+    type = "server_error"
+
+    def __init__(self, message: str = "the request's deadline passed before the edge engine could start it") -> None:
+        super().__init__(message, code="deadline_exceeded")
 
 
 class EngineClosedError(EngineError):

@@ -12,6 +12,21 @@ global.
 Dtypes: ``weight_dtype`` for the linear layers inside the blocks, ``act_dtype`` for the
 residual stream; norms, embeddings and the output layer stay float32 (a bf16 output layer
 changes the small model's answers, see FACTS.md).
+
+Weight-only quantisation (``quantization="int8" | "int4"``, CPU): batch-1 decode reads
+every weight once per token, so fewer bytes per weight is what makes it faster.
+
+- ``int4``: ``Int4Linear`` on llama.cpp's Q4_1 grid and the output layer on its Q8_0 grid
+  (``Q8Output``), multiplied by float32 activations in ``kernels`` -- a Q4_1 GGUF (SmolLM2's
+  format) runs its own weights with float32 arithmetic at 0.625 bytes per weight.
+- ``int8``: ``Int8Linear``, int8 weights with one scale per output channel, through
+  PyTorch's ``_weight_int8pack_mm`` (nothing to compile).  That kernel vectorises only bf16
+  activations, so decode rows are rounded to bf16 on the way in and its output is bf16.
+  The output layer is int8 too, with the ``num_rescored`` most likely tokens of each row
+  rescored exactly from the float32 embedding (``RescoredOutput``).
+
+Up to ``max_kernel_rows`` rows (decode) run the quantised kernels; more rows (prefill)
+dequantise each weight to float32 once per call and run a float32 GEMM, faster there.
 """
 
 from __future__ import annotations
@@ -23,9 +38,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
 from .config import ModelConfig
 
-__all__ = ["AttentionMetadata", "DecodeGroup", "PrefillChunk", "Transformer", "build_rope_cache"]
+__all__ = [
+    "AttentionMetadata",
+    "DecodeGroup",
+    "Int4Linear",
+    "Int8Linear",
+    "PrefillChunk",
+    "Q8Output",
+    "RescoredOutput",
+    "Transformer",
+    "build_rope_cache",
+]
 
 
 @dataclass(slots=True)
@@ -51,6 +77,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: where each token's K/V is written
     decodes: list[DecodeGroup] = field(default_factory=list)  # decode rows come first in the flat batch
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # a pure decode step also carries every row's blocks and length (for the fused int4 decoder)
+    decode_tables: torch.Tensor | None = None  # [B, max_blocks] int64, padded with block 0
+    decode_lens: torch.Tensor | None = None  # [B] int64: context length including this token
 
 
 def build_rope_cache(config: ModelConfig, max_len: int, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
@@ -115,14 +144,126 @@ class Linear(nn.Module):
         return F.linear(x.to(w.dtype), w).to(x.dtype)
 
 
+def _round_up_to_bf16(x: torch.Tensor) -> torch.Tensor:
+    """Positive float32 values rounded up to the nearest bfloat16 (so a scale stored in bf16
+    is exactly the scale the weights were quantised with, and ``|q|`` stays in range)."""
+    bits = x.float().contiguous().view(torch.int32)
+    return ((bits + 0xFFFF) & -65536).view(torch.float32)
+
+
+class Int8Linear(nn.Module):
+    """Weight-only int8: ``W ~= q * scale[:, None]``, one bf16 scale per output channel."""
+
+    # rows up to which the int8 kernel runs; beyond, dequantise + float32 GEMM (faster there)
+    max_kernel_rows = 16
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        w = weight.float()  # [out, in]
+        scale = _round_up_to_bf16((w.abs().amax(dim=1) / 127).clamp(min=1e-30))  # [out]
+        q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        self.weight = nn.Parameter(q, requires_grad=False)  # [out, in] int8
+        self.scales = nn.Parameter(scale.to(torch.bfloat16), requires_grad=False)  # [out]
+
+    def dequantize(self) -> torch.Tensor:
+        return self.weight.float() * self.scales.float()[:, None]  # [out, in]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, in] -> [T, out]: bf16 from the kernel (T <= max_kernel_rows), else float32
+        if x.shape[0] <= self.max_kernel_rows:
+            return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scales)
+        return F.linear(x.float(), self.dequantize())
+
+
+class Int4Linear(nn.Module):
+    """Weight-only 4-bit on llama.cpp's Q4_1 grid (``w = q * scale + min``, q in [0, 15], fp16
+    scale and min per 32 inputs): a Q4_1 file's weights are recovered exactly, and
+    ``kernels.q4_linear`` multiplies them by float32 activations.
+
+    Up to ``max_kernel_rows`` rows run the kernel, 16 rows a call (each call reads the
+    weight once); more rows (long prefill chunks) dequantise the weight to float32 once per
+    call and run a float32 GEMM, which is faster there.  Both compute with the same weights
+    in float32.
+    """
+
+    max_kernel_rows = 64
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        packed, scales, mins = kernels.pack_q4(weight)
+        self.weight = nn.Parameter(packed, requires_grad=False)  # [out, in/2] uint8
+        self.scales = nn.Parameter(scales, requires_grad=False)  # [out, in/32] fp16
+        self.mins = nn.Parameter(mins, requires_grad=False)  # [out, in/32] fp16
+
+    def dequantize(self) -> torch.Tensor:
+        return kernels.q4_dequantize(self.weight, self.scales, self.mins)  # [out, in] float32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, in] -> [T, out] float32
+        x = x.float()
+        if x.shape[0] > self.max_kernel_rows:
+            return F.linear(x, self.dequantize())
+        if x.shape[0] <= kernels.MAX_ROWS:
+            return kernels.q4_linear(x, self.weight, self.scales, self.mins)
+        return torch.cat([kernels.q4_linear(c, self.weight, self.scales, self.mins) for c in x.split(kernels.MAX_ROWS)])
+
+
+class Q8Output(nn.Module):
+    """The output layer on llama.cpp's Q8_0 grid (int8, fp16 scale per 32 inputs; a Q8_0
+    embedding is recovered exactly) through ``kernels.q8_linear`` with float32 activations:
+    exact logits from a quarter of float32's bytes.  Only the sampled rows reach it (at most
+    one per sequence), 16 rows a call."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        q, scales = kernels.pack_q8(weight)
+        self.weight = nn.Parameter(q, requires_grad=False)  # [V, hidden] int8
+        self.scales = nn.Parameter(scales, requires_grad=False)  # [V, hidden/32] fp16
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [N, hidden] -> [N, V] float32
+        x = x.float()
+        if x.shape[0] <= kernels.MAX_ROWS:
+            return kernels.q8_linear(x, self.weight, self.scales)
+        return torch.cat([kernels.q8_linear(c, self.weight, self.scales) for c in x.split(kernels.MAX_ROWS)])
+
+
+class RescoredOutput(nn.Module):
+    """The output layer from int8 weights, with the ``num_rescored`` most likely tokens of
+    each row rescored exactly against the float32 weight (the tied embedding: no extra copy).
+
+    The int8 logits (bf16, ~0.1 apart from the exact ones) only choose the candidates; the
+    argmax and the probabilities that matter come from exact float32 logits.  The float32
+    weight is kept for these few rows (and for the embedding), never read whole per token.
+    """
+
+    num_rescored = 64
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.approx = Int8Linear(weight)
+        self.exact = weight  # [V, hidden] float32 (shared with the embedding when tied)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [N, hidden] float32 -> [N, V] float32
+        logits = self.approx(x).float()  # [N, V]
+        top = logits.topk(self.num_rescored, dim=-1).indices  # [N, k]
+        rows = self.exact[top]  # [N, k, hidden]
+        exact = torch.bmm(rows, x.unsqueeze(-1)).squeeze(-1)  # [N, k]
+        return logits.scatter_(1, top, exact)
+
+
+_QUANTIZED_LINEAR = {"int8": Int8Linear, "int4": Int4Linear}
+
+
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, wqkv: torch.Tensor, wo: torch.Tensor) -> None:
+    def __init__(self, config: ModelConfig, wqkv: nn.Module, wo: nn.Module) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
-        self.wqkv = Linear(wqkv)
-        self.wo = Linear(wo)
+        self.wqkv = wqkv
+        self.wo = wo
 
     def forward(
         self,
@@ -180,13 +321,13 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+    def __init__(self, w13: nn.Module, w2: nn.Module) -> None:
         super().__init__()
-        self.w13 = Linear(w13)  # gate and up, fused
-        self.w2 = Linear(w2)
+        self.w13 = w13  # gate and up, fused
+        self.w2 = w2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w13(x).chunk(2, dim=-1)
+        gate, up = self.w13(x).chunk(2, dim=-1)  # bf16 from a quantised kernel: w2 takes it as is
         return self.w2(F.silu(gate) * up)
 
 
@@ -204,7 +345,12 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Built from Hugging Face-named float32 weights (see ``loader``)."""
+    """Built from Hugging Face-named float32 weights (see ``loader``).
+
+    ``quantization`` ("int8" | "int4" | None) replaces the linear layers inside the blocks
+    by weight-only quantised ones (``weight_dtype`` is then unused); ``quantize_output``
+    also serves the output layer from int8 weights with exact rescoring (``RescoredOutput``).
+    """
 
     def __init__(
         self,
@@ -215,27 +361,38 @@ class Transformer(nn.Module):
         device: torch.device,
         weight_dtype: torch.dtype = torch.float32,
         act_dtype: torch.dtype = torch.float32,
+        quantization: str | None = None,
+        quantize_output: bool = True,
     ) -> None:
         super().__init__()
+        assert quantization in (None, *_QUANTIZED_LINEAR), quantization
         self.config = config
         self.act_dtype = act_dtype
+        self.quantization = quantization
 
         def w(name: str, dtype: torch.dtype = weight_dtype) -> torch.Tensor:
             return weights[name].to(device=device, dtype=dtype)
+
+        def linear(*names: str) -> nn.Module:
+            if quantization is None:
+                return Linear(torch.cat([w(n) for n in names]))
+            return _QUANTIZED_LINEAR[quantization](torch.cat([w(n, torch.float32) for n in names]))
 
         embed = w("model.embed_tokens.weight", torch.float32)
         self.tok_embeddings = nn.Parameter(embed, requires_grad=False)  # [V, hidden] float32
         layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
-            wqkv = torch.cat(
-                [w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"), w(p + "self_attn.v_proj.weight")]
-            )
-            w13 = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])
             block = TransformerBlock(
                 config,
-                Attention(config, wqkv, w(p + "self_attn.o_proj.weight")),
-                FeedForward(w13, w(p + "mlp.down_proj.weight")),
+                Attention(
+                    config,
+                    linear(p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"),
+                    linear(p + "self_attn.o_proj.weight"),
+                ),
+                FeedForward(
+                    linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), linear(p + "mlp.down_proj.weight")
+                ),
             )
             block.attention_norm.weight.data = w(p + "input_layernorm.weight", act_dtype)
             block.ffn_norm.weight.data = w(p + "post_attention_layernorm.weight", act_dtype)
@@ -244,11 +401,30 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.norm.weight.data = w("model.norm.weight", torch.float32)
         if "lm_head.weight" in weights and not config.tie_word_embeddings:
-            self.output = Linear(w("lm_head.weight", torch.float32))
+            head = w("lm_head.weight", torch.float32)
         else:
-            self.output = Linear(embed)  # tied: shares the float32 embedding
+            head = embed  # tied: shares the float32 embedding
+        if quantization is None or not quantize_output:
+            self.output = Linear(head)
+        elif quantization == "int4":
+            self.output = Q8Output(head)
+        else:
+            self.output = RescoredOutput(head)
         rope_freqs = weights.get("rope_freqs")
         self.register_buffer("rope", build_rope_cache(config, max_len, rope_freqs).to(device), persistent=False)
+        # int4 decode steps run all layers in one C++ call (kernels.Q4Decoder): batch-1 decode
+        # is otherwise bound by ~100 small Python-dispatched ops per layer, not by the weights
+        self.decoder = None
+        if quantization == "int4":
+            params: list[torch.Tensor] = []
+            for block in self.layers:
+                a, f = block.attention, block.feed_forward
+                params += [block.attention_norm.weight, a.wqkv.weight, a.wqkv.scales, a.wqkv.mins]
+                params += [a.wo.weight, a.wo.scales, a.wo.mins, block.ffn_norm.weight]
+                params += [f.w13.weight, f.w13.scales, f.w13.mins, f.w2.weight, f.w2.scales, f.w2.mins]
+            self.decoder = kernels.q4_decoder(
+                [p.data for p in params], config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps
+            )
 
     def forward(
         self,
@@ -260,9 +436,20 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         x = F.embedding(input_ids, self.tok_embeddings).to(self.act_dtype)  # [T, hidden]
         rope = self.rope[positions]  # [T, 2, D]
-        cos = rope[:, 0].unsqueeze(1).to(self.act_dtype)  # [T, 1, D]
-        sin = rope[:, 1].unsqueeze(1).to(self.act_dtype)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, k_cache, v_cache, meta)
+        if self.decoder is not None and meta.decode_lens is not None and x.shape[0] <= kernels.MAX_ROWS:
+            x = self.decoder.forward(
+                x,
+                rope,
+                [k for k, _ in kv_caches],
+                [v for _, v in kv_caches],
+                meta.slot_mapping,
+                meta.decode_tables,
+                meta.decode_lens,
+            )
+        else:
+            cos = rope[:, 0].unsqueeze(1).to(self.act_dtype)  # [T, 1, D]
+            sin = rope[:, 1].unsqueeze(1).to(self.act_dtype)
+            for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+                x = layer(x, cos, sin, k_cache, v_cache, meta)
         x = self.norm(x[logits_indices].float())  # [N, hidden]
         return self.output(x)  # [N, V] float32

@@ -1,8 +1,11 @@
 """Tensors in, token ids out: turns one scheduled step into a flat batch, runs the model and
 samples.
 
-CPU modes: ``float32`` (exact against the reference) and ``bf16`` (bf16 weights inside the
-blocks, float32 activations, float32 output layer and KV cache).  CUDA: bf16 weights,
+CPU modes: ``float32`` (exact against the reference), ``bf16`` (bf16 weights inside the
+blocks, float32 activations, float32 output layer and KV cache), and the weight-only
+quantised ``int8`` and ``int4`` (see ``model``: float32 residual stream, norms, attention and
+KV cache; bf16 activations into the decode kernels; the output layer from int8 weights with
+its top tokens rescored exactly).  CUDA: bf16 weights,
 activations and KV cache (float32 output layer), attention through
 ``scaled_dot_product_attention``.  CUDA graphs are not captured yet: decode steps run eagerly.
 """
@@ -13,20 +16,42 @@ from dataclasses import dataclass
 
 import torch
 
+from . import kernels
 from .config import ModelConfig
 from .kv_cache import KVCache
 from .model import AttentionMetadata, DecodeGroup, PrefillChunk, Transformer
 from .sampling import SampleResult, sample
 from .sequence import Sequence
 
-__all__ = ["ModelRunner", "StepInputs", "resolve_dtypes"]
+__all__ = ["ModelRunner", "StepInputs", "resolve_dtype", "resolve_dtypes"]
+
+QUANTIZED = ("int8", "int4")
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> str:
+    """The concrete mode a config dtype means on a device.
+
+    "auto" on the CPU is the fastest mode whose answers hold against float32 (perplexity
+    within 2 % and identical greedy outputs on at least 90 % of the 50 fixed prompts; see
+    BENCHMARKS.md): int4, whose kernels are compiled on first use -- or float32 where they
+    cannot be (int8 and bf16 are faster than float32 but change most greedy answers).
+    """
+    if dtype == "auto":
+        if device.type == "cuda":
+            return "bf16"
+        return "int4" if kernels.available() else "float32"
+    if dtype in QUANTIZED and device.type != "cpu":
+        raise ValueError(f"dtype: {dtype} is a CPU mode (weight-only kernels); use bf16 on {device.type}")
+    if dtype == "int4" and not kernels.available():
+        raise ValueError("dtype: int4 needs its kernels compiled (a C++ compiler and ninja); see the log")
+    return dtype
 
 
 def resolve_dtypes(dtype: str, device: torch.device) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
-    """(weight dtype, activation dtype, KV cache dtype) for a config dtype on a device."""
-    if dtype == "auto":
-        dtype = "bf16" if device.type == "cuda" else "float32"
-    if dtype == "float32":
+    """(weight dtype, activation dtype, KV cache dtype) for a config dtype on a device; the
+    quantised modes report float32 weights (the dtype they dequantise to)."""
+    dtype = resolve_dtype(dtype, device)
+    if dtype in ("float32", *QUANTIZED):
         return torch.float32, torch.float32, torch.float32
     if device.type == "cuda":
         return torch.bfloat16, torch.bfloat16, torch.bfloat16
@@ -58,6 +83,7 @@ class ModelRunner:
         self.config = config
         self.device = device
         self.block_size = block_size
+        self.dtype = resolve_dtype(dtype, device)
         self.weight_dtype, self.act_dtype, self.kv_dtype = resolve_dtypes(dtype, device)
         self.model = Transformer(
             config,
@@ -66,11 +92,14 @@ class ModelRunner:
             device=device,
             weight_dtype=self.weight_dtype,
             act_dtype=self.act_dtype,
+            quantization=self.dtype if self.dtype in QUANTIZED else None,
         ).eval()
         self.kv_cache = KVCache(config, num_blocks, block_size, self.kv_dtype, device)
 
     @property
     def dtype_name(self) -> str:
+        if self.dtype in QUANTIZED:
+            return self.dtype
         if self.weight_dtype == torch.float32:
             return "float32"
         return "bf16" if self.act_dtype == torch.bfloat16 else "bf16-weights/fp32-activations"
@@ -126,6 +155,11 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long).to(self.device), prefills=prefills
         )
         meta.decodes = self._decode_groups(decode_tables, decode_lens)
+        if decode_tables and not prefills and self.model.decoder is not None:  # a pure decode step, for the fused decoder
+            width = len(decode_tables[0])  # rows are sorted longest first
+            padded = [t + [0] * (width - len(t)) for t in decode_tables]
+            meta.decode_tables = torch.tensor(padded, dtype=torch.long).to(self.device)
+            meta.decode_lens = torch.tensor(decode_lens, dtype=torch.long).to(self.device)
         return StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long).to(self.device),
             positions=torch.tensor(positions, dtype=torch.long).to(self.device),

@@ -7,6 +7,12 @@ block pool allow.  When blocks run out, the lowest-priority, latest-arrived runn
 sequence is *preempted*: its blocks are freed and it goes back to the waiting queue, to be
 recomputed later (its full blocks usually survive in the prefix cache).  A waiting sequence
 may preempt running sequences of a strictly lower priority (batch) to get in.
+
+Flow control: a sequence whose reader has more than ``max_pending_outputs`` deltas unread
+is *paused*: it is skipped (running, it keeps its blocks; waiting after a preemption, it is
+not brought back) until the reader catches up, while the rest of the batch keeps going.
+Deadlines: ``remove_expired(now)`` drops waiting sequences that never started and whose
+deadline has passed, before they cost a prefill.
 """
 
 from __future__ import annotations
@@ -34,10 +40,18 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_pending_outputs: int | None = None,
+    ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_pending_outputs = max_pending_outputs  # None: never pause
         self.waiting: list[Sequence] = []  # sorted by sort_key
         self.running: list[Sequence] = []  # sorted by sort_key
         self.num_preemptions = 0
@@ -53,6 +67,27 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def is_paused(self, seq: Sequence) -> bool:
+        """Its reader is ``max_pending_outputs`` deltas behind: schedule nothing for it."""
+        return self.max_pending_outputs is not None and seq.num_pending_outputs >= self.max_pending_outputs
+
+    @property
+    def num_paused(self) -> int:
+        return sum(1 for seq in self.running if self.is_paused(seq))
+
+    def next_deadline(self) -> float | None:
+        """The earliest deadline among waiting sequences not yet started (None: no deadline)."""
+        deadlines = [s.deadline for s in self.waiting if s.deadline is not None and not s.is_started]
+        return min(deadlines) if deadlines else None
+
+    def remove_expired(self, now: float) -> list[Sequence]:
+        """Finish (reason "deadline") the waiting sequences that never started and whose
+        deadline is ``<= now``; returns them.  Started ones keep going: their prefill is paid."""
+        expired = [s for s in self.waiting if s.deadline is not None and not s.is_started and s.deadline <= now]
+        for seq in expired:
+            self.finish(seq, "deadline")
+        return expired
 
     def add(self, seq: Sequence) -> None:
         assert seq.status is SequenceStatus.WAITING and not seq.block_table
@@ -107,6 +142,8 @@ class Scheduler:
                 continue
             if budget == 0:
                 break
+            if self.is_paused(seq):
+                continue
             n = min(seq.num_uncomputed_tokens, budget)
             assert n > 0
             while not bm.can_allocate(bm.num_blocks_needed(seq, n)):
@@ -121,11 +158,12 @@ class Scheduler:
             budget -= n
 
         # 2. waiting sequences, in priority order, while budget, batch and blocks allow
-        while self.waiting:
+        for seq in list(self.waiting):
             budget = self.max_num_batched_tokens - out.num_tokens
             if budget <= 0:
                 break
-            seq = self.waiting[0]
+            if self.is_paused(seq):  # preempted while its reader lagged: leave it out for now
+                continue
             if seq in out.preempted:  # do not bring back what this step just evicted
                 break
             if len(self.running) >= self.max_num_seqs and not self._make_room_for(seq, out, need_blocks=0):
@@ -144,10 +182,11 @@ class Scheduler:
                 need = bm.num_blocks_for(num_computed + n) - len(hits) + bm.num_new_blocks_with_hits(hits)
                 if not bm.can_allocate(need):
                     break
-            self.waiting.pop(0)
+            self.waiting.remove(seq)
             bm.allocate_cached(seq, hits)
             bm.allocate(seq, n)
             seq.status = SequenceStatus.RUNNING
+            seq.is_started = True
             bisect.insort(self.running, seq, key=Sequence.sort_key)
             out.scheduled.append((seq, n))
         return out

@@ -46,6 +46,7 @@ class Sequence:
         priority: int = Priority.INTERACTIVE,
         max_tokens: int | None = None,
         arrival_time: float | None = None,
+        deadline: float | None = None,
     ) -> None:
         assert prompt_token_ids, "a sequence needs at least one prompt token"
         self.seq_id = next(_seq_counter)
@@ -63,6 +64,8 @@ class Sequence:
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        self.deadline = deadline  # time.monotonic() after which a sequence not yet started is dropped
+        self.is_started = False  # scheduled at least once (a preempted sequence stays started)
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         # filled in by the engine
@@ -72,6 +75,10 @@ class Sequence:
         self.output_text = ""
         self.num_emitted_chars = 0
         self.logprobs: list[SampleResult] = []
+        # flow control: each counter is written by one thread only (produced by the step
+        # thread, consumed by the reader), so their difference needs no lock
+        self.num_outputs_produced = 0
+        self.num_outputs_consumed = 0
 
     # -- sizes ---------------------------------------------------------------------------
     @property
@@ -89,6 +96,11 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def num_pending_outputs(self) -> int:
+        """Deltas handed to the reader's queue (or on their way to it) and not yet read."""
+        return self.num_outputs_produced - self.num_outputs_consumed
 
     @property
     def is_finished(self) -> bool:

@@ -4,7 +4,10 @@
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health
 (and GET /stats, the engine's ``stats()``).  Streaming is SSE, ``data: {...}`` per chunk and
-``data: [DONE]`` at the end.  A thin Starlette app over ``OpenAIServing``.
+``data: [DONE]`` at the end; the response starts with the first chunk, so a request refused
+or dropped before its first token still gets its own status code.  The request header
+``x-latency-budget-ms`` sets the request's deadline (a request not started within it gets
+504 ``deadline_exceeded``).  A thin Starlette app over ``OpenAIServing``.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import contextlib
 import itertools
 import logging
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -41,6 +45,25 @@ def _error_response(exc: EngineError) -> Response:
     return Response(orjson.dumps(exc.to_dict()), status_code=exc.status_code, headers=headers, media_type="application/json")
 
 
+LATENCY_BUDGET_HEADER = "x-latency-budget-ms"
+
+
+def _deadline(request: Request) -> float | None:
+    """``x-latency-budget-ms`` (a positive number) as a ``time.monotonic()`` deadline."""
+    value = request.headers.get(LATENCY_BUDGET_HEADER)
+    if value is None:
+        return None
+    try:
+        budget_ms = float(value)
+    except ValueError:
+        budget_ms = float("nan")
+    if not budget_ms > 0 or budget_ms == float("inf"):
+        raise InvalidRequestError(
+            f"{LATENCY_BUDGET_HEADER} must be a positive number of milliseconds", LATENCY_BUDGET_HEADER, "invalid_value"
+        )
+    return time.monotonic() + budget_ms / 1000
+
+
 def create_app(engine: Engine, model_name: str | None = None) -> Starlette:
     serving = OpenAIServing(engine, model_name or engine.model_name)
     counter = itertools.count()
@@ -60,7 +83,7 @@ def create_app(engine: Engine, model_name: str | None = None) -> Starlette:
 
         async def handle(request: Request) -> Response:
             try:
-                prepared = serving.prepare(kind, await _body(request))
+                prepared = serving.prepare(kind, await _body(request), deadline=_deadline(request))
             except EngineError as exc:
                 return _error_response(exc)
             request_id = f"{prefix}{uuid.uuid4().hex[:24]}{next(counter)}"
@@ -70,8 +93,18 @@ def create_app(engine: Engine, model_name: str | None = None) -> Starlette:
                 except EngineError as exc:
                     return _error_response(exc)
 
+            chunks = serving.stream(prepared, request_id)
+            try:  # wait for the first chunk before the headers: a refusal keeps its status code
+                first = await anext(chunks)
+            except EngineError as exc:
+                return _error_response(exc)
+            except BaseException:
+                await chunks.aclose()
+                raise
+
             async def sse() -> AsyncIterator[bytes]:
-                async with contextlib.aclosing(serving.stream(prepared, request_id)) as chunks:
+                async with contextlib.aclosing(chunks):
+                    yield b"data: " + first + b"\n\n"
                     try:
                         async for chunk in chunks:
                             yield b"data: " + chunk + b"\n\n"
@@ -119,7 +152,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-name", default=None, help="name served on /v1/models")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8001)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bf16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bf16", "int8", "int4"])
     p.add_argument("--device", default="auto")
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)

@@ -1,7 +1,10 @@
 """The OpenAI-shaped seam: request JSON in, OpenAI response / chunk JSON out.
 
 ``OpenAIServing.prepare`` validates and tokenises synchronously (``InvalidRequestError`` ->
-400, ``EngineOverloadedError`` -> 503); ``stream`` yields one compact JSON chunk per item
+400, ``EngineOverloadedError`` -> 503); a prompt too long to fit is refused from its length
+in characters before it is tokenised or its chat template rendered.  ``prepare(...,
+deadline=)`` carries a ``time.monotonic()`` deadline: a request still queued when it passes
+fails with ``DeadlineExceededError`` (504).  ``stream`` yields one compact JSON chunk per item
 (no ``data:`` framing, no ``[DONE]``: the caller frames them); ``complete`` returns the whole
 non-streaming response.  The gateway and ``edge_engine.server`` both sit on top of it.
 
@@ -42,6 +45,7 @@ class PreparedRequest:
     include_usage: bool = False
     priority: int = Priority.INTERACTIVE
     completion_logprobs: int | None = None  # completions: the integer ``logprobs`` field
+    deadline: float | None = None  # time.monotonic(): dropped with DeadlineExceededError if not started by then
     extra: dict = field(default_factory=dict)
 
     @property
@@ -74,7 +78,9 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
 
     # -- request ------------------------------------------------------------------------
-    def prepare(self, kind: str, body: dict) -> PreparedRequest:
+    def prepare(self, kind: str, body: dict, *, deadline: float | None = None) -> PreparedRequest:
+        """Validate ``body`` and tokenise its prompt; ``deadline`` is a ``time.monotonic()``
+        value past which the request, if it has not started, is dropped (504)."""
         if kind not in ("chat", "completion"):
             raise ValueError(f"kind must be 'chat' or 'completion', not {kind!r}")
         if not isinstance(body, dict):
@@ -159,6 +165,7 @@ class OpenAIServing:
             include_usage=include_usage,
             priority=priority,
             completion_logprobs=completion_logprobs,
+            deadline=deadline,
         )
 
     def _chat_prompt(self, body: dict) -> list[int]:
@@ -186,6 +193,7 @@ class OpenAIServing:
             if not isinstance(content, str):
                 raise _bad(f"{param}.content must be a string or a list of text parts", f"{param}.content", "invalid_type")
             rendered.append({"role": "system" if role == "developer" else role, "content": content})
+        self.engine.check_prompt_chars(sum(len(m["content"]) for m in rendered), "messages")
         try:
             return self.tokenizer.encode_chat(rendered, add_generation_prompt=True)
         except jinja2.TemplateError as exc:
@@ -196,6 +204,7 @@ class OpenAIServing:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
+            self.engine.check_prompt_chars(len(prompt), "prompt")
             return self.tokenizer.encode(prompt)
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return list(prompt)
@@ -204,7 +213,11 @@ class OpenAIServing:
     # -- responses ----------------------------------------------------------------------
     def _generate(self, prepared: PreparedRequest, request_id: str) -> AsyncIterator[Delta]:
         return self.engine.generate(
-            prepared.prompt_token_ids, prepared.params, request_id=request_id, priority=prepared.priority
+            prepared.prompt_token_ids,
+            prepared.params,
+            request_id=request_id,
+            priority=prepared.priority,
+            deadline=prepared.deadline,
         )
 
     def _token_text(self, token_id: int) -> str:

@@ -11,6 +11,7 @@ half a UTF-8 character.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 from typing import Any
@@ -207,6 +208,19 @@ class Tokenizer:
         if self._byte_level and all(c in _BYTE_DECODER for c in token):
             return bytes(_BYTE_DECODER[c] for c in token)
         return token.encode("utf-8")
+
+    @functools.cached_property
+    def max_token_chars(self) -> int | None:
+        """The most characters one token can stand for (computed once from the vocabulary),
+        or None when a normalizer may rewrite the text before it is split.
+
+        A token's text is at most as many characters as its bytes, so a text of ``c``
+        characters needs at least ``ceil(c / max_token_chars)`` tokens: a bound that lets a
+        prompt that cannot fit be refused without tokenising it.
+        """
+        if self._tok.normalizer is not None:
+            return None
+        return max(len(self.token_bytes(i)) for i in range(self.vocab_size))
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         if self._template is None:

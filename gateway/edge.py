@@ -13,9 +13,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 
-from edge_engine import Engine, EngineError, EngineOverloadedError, InvalidRequestError, OpenAIServing
+from edge_engine import DeadlineExceededError, Engine, EngineError, EngineOverloadedError, InvalidRequestError, OpenAIServing
 from edge_engine.serving import PreparedRequest
-from gateway.errors import GatewayError, InvalidRequest, NoHealthyUpstream, Overloaded, UpstreamError
+from gateway.errors import GatewayError, InvalidRequest, NoHealthyUpstream, Overloaded, UpstreamError, UpstreamTimeout
 from gateway.observability import Sample
 from gateway.relay import DONE, sse_event
 from gateway.replies import JSON, SSE, Paced, Reply
@@ -30,6 +30,8 @@ def engine_error(exc: EngineError) -> GatewayError:
         return InvalidRequest(exc.message, param=exc.param, code=exc.code)
     if isinstance(exc, EngineOverloadedError):
         return Overloaded(exc.message, code=exc.code, retry_after=exc.retry_after)
+    if isinstance(exc, DeadlineExceededError):  # dropped in the engine's queue, never run
+        return UpstreamTimeout(exc.message, code="deadline_exceeded")
     if exc.status_code == 503:
         return NoHealthyUpstream(exc.message, code=exc.code, retry_after=1.0)
     return UpstreamError(exc.message, code=exc.code or "engine_error")
@@ -113,10 +115,12 @@ class EdgeBackend:
     ) -> EngineReply:
         """Prepare (off the event loop) and return the engine's reply. ``rank`` is the
         tenant's priority class (0 interactive): the engine runs interactive sequences first
-        and preempts batch ones for them, whatever the request body says."""
+        and preempts batch ones for them, whatever the request body says. ``deadline``
+        (``time.monotonic()``, the request's budget): a sequence still waiting in the engine
+        when it passes is dropped unrun (504 ``deadline_exceeded``)."""
         data = {**data, "priority": "interactive" if rank == 0 else "batch"}
         try:
-            prepared = await asyncio.to_thread(self.serving.prepare, kind, data)
+            prepared = await asyncio.to_thread(self.serving.prepare, kind, data, deadline=deadline)
         except EngineError as exc:
             raise engine_error(exc) from None
         return EngineReply(self.serving, prepared, request_id, ping)

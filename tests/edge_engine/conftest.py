@@ -1,5 +1,6 @@
-"""Fixtures: the tiny random Llama (GGUF + HF directory), engines over it, and the real
-SmolLM2 engine (loaded once per session, for the few ``slow`` tests)."""
+"""Fixtures: the tiny random Llama (GGUF + HF directory; float32, or laid out like SmolLM2's
+Q4_1 file), engines over it, and the real SmolLM2 engine (loaded once per session, for the
+few ``slow`` tests)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,16 @@ def tiny_hf(tiny_paths):
 
 
 @pytest.fixture(scope="session")
+def tiny_q4_paths(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama-q4"), quantized=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_q4_gguf(tiny_q4_paths):
+    return str(tiny_q4_paths[0])
+
+
+@pytest.fixture(scope="session")
 def reference(tiny_hf):
     """transformers' LlamaForCausalLM on the same weights (CPU, float32, eager attention)."""
     model = LlamaForCausalLM.from_pretrained(tiny_hf, torch_dtype=torch.float32, attn_implementation="eager")
@@ -34,7 +45,8 @@ def reference(tiny_hf):
 
 
 def make_engine(path: str, **overrides) -> Engine:
-    options = dict(model=path, num_kv_blocks=64, block_size=4, max_num_batched_tokens=64, max_num_seqs=8)
+    # float32 unless a test asks: exactness against the reference belongs to float32
+    options = dict(model=path, dtype="float32", num_kv_blocks=64, block_size=4, max_num_batched_tokens=64, max_num_seqs=8)
     options.update(overrides)
     return Engine(EngineConfig(**options))
 
@@ -50,4 +62,4 @@ async def tiny_engine(tiny_gguf):
 @pytest.fixture(scope="session")
 def smollm_engine():
     """The real SmolLM2-135M-Instruct, float32 on the CPU (its step thread is started per test)."""
-    return Engine(EngineConfig(num_kv_blocks=256, max_num_batched_tokens=256))
+    return Engine(EngineConfig(dtype="float32", num_kv_blocks=256, max_num_batched_tokens=256))

@@ -1,13 +1,21 @@
-"""The async engine: streaming, seeds, stop strings, cancellation, failures, overload."""
+"""The async engine: streaming, seeds, stop strings, cancellation, failures, overload, flow
+control and deadlines."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import pytest
 
-from edge_engine import EngineError, EngineOverloadedError, InvalidRequestError, SamplingParams
+from edge_engine import (
+    DeadlineExceededError,
+    EngineError,
+    EngineOverloadedError,
+    InvalidRequestError,
+    SamplingParams,
+)
 from tests.edge_engine.conftest import make_engine
 
 
@@ -236,3 +244,91 @@ async def test_close_fails_requests_in_flight(tiny_gguf):
             pass
     with pytest.raises(EngineError):
         await engine.generate("Hello").__anext__()
+
+
+async def _until(predicate, timeout=10.0):
+    for _ in range(int(timeout / 0.01)):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached")
+
+
+async def test_a_reader_that_stops_reading_pauses_only_its_own_sequence(tiny_gguf, monkeypatch):
+    bound = 4
+    engine = make_engine(tiny_gguf, max_pending_outputs=bound)
+    try:
+        params = dict(temperature=0, max_tokens=40, ignore_eos=True)
+        alone = tokens_of(await collect(engine, "Hello, world!", **params))
+        slow = engine.generate("Hello, world!", SamplingParams(**params), request_id="slow")
+        first = await slow.__anext__()  # started; from now on nobody reads it
+        (seq,) = [s for s in engine.scheduler.running if s.request_id == "slow"]
+        other = await collect(engine, "Numbers 0123", temperature=0, max_tokens=60, ignore_eos=True)
+        assert len(other) == 60 and other[-1].finish_reason == "length"  # the rest of the batch kept going
+        await _until(lambda: engine.stats().num_running == 1)
+        # paused: at most `bound` deltas buffered, its blocks kept, nothing more generated
+        assert seq.sink[1].qsize() == seq.num_pending_outputs == bound
+        assert seq.num_output_tokens == 1 + bound and seq.block_table and not seq.is_finished
+        assert engine.stats().num_paused == 1
+        # and the step thread sleeps instead of spinning over a batch with nothing to run
+        calls = {"n": 0}
+        real_schedule = engine.scheduler.schedule
+
+        def counting_schedule():
+            calls["n"] += 1
+            return real_schedule()
+
+        monkeypatch.setattr(engine.scheduler, "schedule", counting_schedule)
+        await asyncio.sleep(0.2)
+        assert calls["n"] <= 1
+        assert seq.num_output_tokens == 1 + bound
+        # reading again resumes it, and it finishes as if it had never paused
+        rest = [d async for d in slow]
+        assert tokens_of([first, *rest]) == alone and rest[-1].finish_reason == "length"
+        assert engine.stats().num_paused == 0
+        await wait_idle(engine)
+    finally:
+        await engine.close()
+
+
+@pytest.mark.parametrize("blocker_reads", [pytest.param(True, id="batch-busy"), pytest.param(False, id="batch-paused")])
+async def test_a_request_whose_deadline_passes_in_the_queue_is_dropped_before_its_prefill(
+    tiny_gguf, monkeypatch, blocker_reads
+):
+    # one batch slot, held by a blocker that is either decoding or paused (its reader idle)
+    engine = make_engine(tiny_gguf, max_num_seqs=1, max_pending_outputs=2)
+    scheduled: set[str] = set()
+    real_run = engine.runner.run
+
+    def spy(batch):
+        scheduled.update(seq.request_id for seq, _ in batch)
+        return real_run(batch)
+
+    monkeypatch.setattr(engine.runner, "run", spy)
+    try:
+        blocker = engine.generate(
+            "Hello", SamplingParams(temperature=0, max_tokens=240, ignore_eos=True), request_id="blocker"
+        )
+        await blocker.__anext__()
+        reader = asyncio.create_task(collect_rest(blocker)) if blocker_reads else None
+        late = engine.generate("Hello", SamplingParams(max_tokens=4), request_id="late", deadline=time.monotonic() + 0.02)
+        with pytest.raises(DeadlineExceededError) as info:
+            await asyncio.wait_for(late.__anext__(), 10)
+        assert info.value.status_code == 504 and info.value.to_dict()["error"]["code"] == "deadline_exceeded"
+        assert "late" not in scheduled and "blocker" in scheduled  # dropped, never prefilled
+        assert engine.stats().num_deadline_drops == 1
+        # a deadline that has already passed is refused at once
+        with pytest.raises(DeadlineExceededError):
+            await engine.generate("Hello", deadline=time.monotonic() - 1).__anext__()
+        if reader is not None:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+        await blocker.aclose()
+        await wait_idle(engine)
+    finally:
+        await engine.close()
+
+
+async def collect_rest(gen):
+    return [d async for d in gen]

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import orjson
 import pytest
 
-from edge_engine import OpenAIServing, default_model_path
+from edge_engine import Engine, EngineConfig, OpenAIServing, default_model_path
+from tests.edge_engine.quality import HELDOUT_TEXT, PROMPTS, agreement, greedy_outputs, perplexity
 
 pytestmark = pytest.mark.slow
 
@@ -47,3 +50,40 @@ def test_real_tokenizer_round_trips_and_matches_the_chat_template(smollm_engine)
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
         "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     )
+
+
+# -- the quantised modes' answers against float32 (50 prompts, held-out perplexity) ----------
+QUALITY_TOKENS = 32
+
+
+async def _answers(engine) -> tuple[list[list[int]], float]:
+    ppl = perplexity(engine, engine.tokenizer.encode(HELDOUT_TEXT))  # before the step thread starts
+    await engine.start()
+    try:
+        return await greedy_outputs(engine, PROMPTS, QUALITY_TOKENS), ppl
+    finally:
+        await engine.close()
+
+
+@pytest.fixture(scope="module")
+def float32_answers(smollm_engine):
+    return asyncio.run(_answers(smollm_engine))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "min_identical"),
+    [
+        # int4 runs the file's own Q4_1 weights (and Q8_0 output layer) with float32 activations
+        pytest.param("int4", 0.9, id="int4"),
+        # int8 re-quantises per channel and rounds decode activations to bf16: near-ties flip
+        pytest.param("int8", 0.2, id="int8"),
+    ],
+)
+async def test_quantised_answers_hold_against_float32(float32_answers, dtype, min_identical):
+    reference, reference_ppl = float32_answers
+    engine = Engine(EngineConfig(dtype=dtype, num_kv_blocks=512))
+    outputs, ppl = await _answers(engine)
+    result = agreement(outputs, reference)
+    assert result.share_identical >= min_identical, result.as_dict()
+    assert abs(ppl / reference_ppl - 1) < 0.02, (ppl, reference_ppl)
+    assert "Paris" in engine.tokenizer.decode(outputs[PROMPTS.index("What is the capital of France?")])

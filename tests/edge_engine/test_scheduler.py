@@ -127,3 +127,52 @@ def test_finish_frees_blocks():
     assert bm.num_used_blocks == 3
     sched.finish(seq, "abort")
     assert bm.num_used_blocks == 0 and not sched.has_work() and seq.finish_reason == "abort"
+
+
+def test_a_sequence_whose_reader_lags_is_paused_and_keeps_its_blocks():
+    bm, sched = make(budget=16)
+    sched.max_pending_outputs = 2
+    slow, fast = seq_of(3, arrival=1.0), seq_of(3, start=50, arrival=2.0)
+    sched.add(slow)
+    sched.add(fast)
+    run_step(sched)  # both prefilled
+    slow.num_outputs_produced = 2  # two deltas unread
+    blocks = list(slow.block_table)
+    assert sched.is_paused(slow) and not sched.is_paused(fast)
+    assert [s for s, _ in run_step(sched)] == [fast]
+    assert slow.block_table == blocks and slow.status is SequenceStatus.RUNNING and sched.num_paused == 1
+    slow.num_outputs_consumed = 1  # the reader caught up below the bound
+    assert [s for s, _ in run_step(sched)] == [slow, fast]
+
+
+def test_a_paused_sequence_in_the_waiting_queue_is_skipped_until_its_reader_catches_up():
+    _, sched = make(budget=16)
+    sched.max_pending_outputs = 1
+    paused, other = seq_of(3, arrival=1.0), seq_of(3, start=50, arrival=2.0)
+    sched.add(paused)
+    sched.add(other)
+    paused.num_outputs_produced = 1  # as after a preemption, with a delta still unread
+    assert [s for s, _ in run_step(sched)] == [other]  # skipped, the next one in line goes
+    assert paused.status is SequenceStatus.WAITING and not paused.is_started
+    paused.num_outputs_consumed = 1
+    assert [s for s, _ in run_step(sched)] == [other, paused]
+
+
+def test_expired_waiting_sequences_are_removed_unstarted_ones_only():
+    bm, sched = make(budget=4, max_seqs=1)
+    started = seq_of(3, arrival=1.0)
+    started.deadline = 5.0
+    sched.add(started)
+    run_step(sched)
+    late, in_time = seq_of(3, start=20, arrival=2.0), seq_of(3, start=40, arrival=3.0)
+    no_deadline = seq_of(3, start=60, arrival=4.0)
+    late.deadline, in_time.deadline = 10.0, 30.0
+    for s in (late, in_time, no_deadline):
+        sched.add(s)
+    assert sched.next_deadline() == 10.0  # the running one's deadline no longer counts
+    assert sched.remove_expired(now=9.0) == []
+    assert sched.remove_expired(now=10.0) == [late]
+    assert late.is_finished and late.finish_reason == "deadline" and late.block_table == []
+    assert sched.waiting == [in_time, no_deadline] and sched.running == [started]
+    assert sched.next_deadline() == 30.0
+    bm.check_invariants(sched.running + sched.waiting)

@@ -8,8 +8,9 @@ import httpx
 import orjson
 import pytest
 
-from edge_engine import EngineOverloadedError, InvalidRequestError, OpenAIServing
+from edge_engine import EngineOverloadedError, InvalidRequestError, OpenAIServing, SamplingParams
 from edge_engine.server import create_app
+from tests.edge_engine.conftest import make_engine
 
 CHAT = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 8, "temperature": 0}
 
@@ -127,3 +128,86 @@ async def test_server_speaks_openai_sse(tiny_engine, monkeypatch):
         monkeypatch.setattr(tiny_engine.config, "max_queue_len", 0)
         r = await client.post("/v1/chat/completions", json=CHAT)
         assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
+
+
+@pytest.fixture
+def tokenizer_calls(serving, monkeypatch):
+    """Names of the tokenizer methods called (the calls still go through)."""
+    calls: list[str] = []
+    tok = serving.tokenizer
+    for name in ("encode", "encode_chat", "apply_chat_template"):
+        real = getattr(tok, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            calls.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(tok, name, counted)
+    return calls
+
+
+HUGE = "x" * 3_900_000
+
+
+@pytest.mark.parametrize(
+    ("kind", "body", "param"),
+    [
+        pytest.param("completion", {"prompt": HUGE}, "prompt", id="completion"),
+        pytest.param("completion", {"prompt": [HUGE]}, "prompt", id="completion-batch-of-one"),
+        pytest.param("chat", {"messages": [{"role": "user", "content": HUGE}]}, "messages", id="chat"),
+        pytest.param(
+            "chat",
+            {
+                "messages": [
+                    {"role": "system", "content": HUGE[:2_000_000]},
+                    {"role": "user", "content": [{"type": "text", "text": HUGE[:1_900_000]}]},
+                ]
+            },
+            "messages",
+            id="chat-split-over-messages",
+        ),
+    ],
+)
+def test_a_prompt_that_cannot_fit_is_refused_before_tokenising(serving, tokenizer_calls, kind, body, param):
+    with pytest.raises(InvalidRequestError) as info:
+        serving.prepare(kind, body)
+    assert info.value.code == "context_length_exceeded" and info.value.param == param
+    assert tokenizer_calls == []
+
+
+def test_the_early_refusal_bound_is_sound_and_not_over_eager(serving, tiny_engine, tokenizer_calls):
+    tok = serving.tokenizer
+    longest = tok.max_token_chars
+    # no token stands for more characters than the bound
+    assert longest >= max(len(tok.decode([i], skip_special_tokens=False)) for i in range(tok.vocab_size))
+    # a prompt that might still fit (just under the bound) is tokenised, then judged by its tokens
+    limit = min(tiny_engine.max_model_len, tiny_engine.num_kv_tokens)
+    text = "x" * ((limit - 1) * longest)
+    with pytest.raises(InvalidRequestError) as info:
+        serving.prepare("completion", {"prompt": text})
+    assert info.value.code == "context_length_exceeded" and tokenizer_calls == ["encode"]
+
+
+async def test_a_deadline_that_passes_in_the_queue_is_504(tiny_gguf):
+    engine = make_engine(tiny_gguf, max_num_seqs=1, max_pending_outputs=1)
+    app = create_app(engine, "tiny")
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        await engine.start()
+        try:
+            # the only batch slot, held by a stream nobody reads (paused by flow control)
+            blocker = engine.generate("Hello", SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+            await blocker.__anext__()
+            for stream in (False, True):
+                budget = {"x-latency-budget-ms": "30"}
+                r = await asyncio.wait_for(client.post("/v1/chat/completions", json={**CHAT, "stream": stream}, headers=budget), 10)
+                assert r.status_code == 504, r.text
+                assert r.json()["error"]["code"] == "deadline_exceeded"
+            r = await client.post("/v1/chat/completions", json=CHAT, headers={"x-latency-budget-ms": "soon"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "x-latency-budget-ms"
+            assert engine.stats().num_deadline_drops == 2
+            await blocker.aclose()
+            # with the slot free, the same budget is plenty
+            r = await client.post("/v1/chat/completions", json=CHAT, headers={"x-latency-budget-ms": "5000"})
+            assert r.status_code == 200
+        finally:
+            await engine.close()

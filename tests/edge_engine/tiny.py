@@ -3,6 +3,10 @@
 Both hold the same float32 weights (the GGUF with llama.cpp's Q/K row permutation, as
 ``convert_hf_to_gguf.py`` writes it) and the same byte-level BPE tokenizer, trained here on a
 few sentences, with ChatML special tokens at ids 0-2 like SmolLM2.
+
+``quantized=True`` lays the weights out like the real SmolLM2 file: linear layers Q4_1 and
+the embedding Q8_0 in the GGUF, their dequantised values in the safetensors directory (so
+the float32 reference still equals the GGUF exactly).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+from gguf import GGMLQuantizationType, quants
 import torch
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -60,7 +65,7 @@ def _merges(tok: HFTokenizer) -> list[str]:
     return [m if isinstance(m, str) else " ".join(m) for m in merges]
 
 
-def build_tiny_model(root: Path, seed: int = 0) -> tuple[Path, Path]:
+def build_tiny_model(root: Path, seed: int = 0, *, quantized: bool = False) -> tuple[Path, Path]:
     """Write ``root/tiny.gguf`` and ``root/tiny-hf/``; returns both paths."""
     tok = build_tokenizer()
     vocab_size = tok.get_vocab_size()
@@ -85,6 +90,12 @@ def build_tiny_model(root: Path, seed: int = 0) -> tuple[Path, Path]:
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
+        if quantized:  # what the float32 reference sees: the GGUF's weights, dequantised
+            for name, p in model.named_parameters():
+                if name.endswith("proj.weight") or name == "model.embed_tokens.weight":
+                    qtype = GGMLQuantizationType.Q8_0 if "embed" in name else GGMLQuantizationType.Q4_1
+                    data = p.detach().numpy().astype(np.float32)
+                    p.copy_(torch.from_numpy(quants.dequantize(quants.quantize(data, qtype), qtype)))
     hf_dir = root / "tiny-hf"
     model.save_pretrained(hf_dir, safe_serialization=True)
     tok.save(str(hf_dir / "tokenizer.json"))
@@ -124,7 +135,14 @@ def build_tiny_model(root: Path, seed: int = 0) -> tuple[Path, Path]:
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHAT_TEMPLATE)
     sd = {k: v.detach().numpy().astype(np.float32) for k, v in model.state_dict().items()}
-    writer.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+
+    def add(name: str, array: np.ndarray, qtype: GGMLQuantizationType | None = None) -> None:
+        if quantized and qtype is not None:  # re-quantising the dequantised values gives the same grid
+            writer.add_tensor(name, quants.quantize(array, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, array)
+
+    add("token_embd.weight", sd["model.embed_tokens.weight"], GGMLQuantizationType.Q8_0)
     writer.add_tensor("output_norm.weight", sd["model.norm.weight"])
     names = {
         "input_layernorm": "attn_norm",
@@ -144,7 +162,7 @@ def build_tiny_model(root: Path, seed: int = 0) -> tuple[Path, Path]:
                 w = permute_for_gguf(w, HEADS)
             elif gg == "attn_k":
                 w = permute_for_gguf(w, KV_HEADS)
-            writer.add_tensor(f"blk.{i}.{gg}.weight", np.ascontiguousarray(w))
+            add(f"blk.{i}.{gg}.weight", np.ascontiguousarray(w), None if "norm" in gg else GGMLQuantizationType.Q4_1)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
