@@ -109,3 +109,25 @@ def test_a_huge_prompt_does_not_stall_the_event_loop(gateways, tiny_model):
     assert [r.status_code for r in results] == [400, 400]
     assert results[0].json()["error"]["code"] == "context_length_exceeded"
     assert slowest < 0.5, f"/healthz took {slowest:.2f} s while the huge prompts were handled"
+
+
+def test_a_request_whose_budget_passes_in_the_engines_queue_is_dropped_there_unrun(gateways, tiny_model):
+    """The gateway lets four requests into an engine that runs one at a time: behind two long
+    streams, a third request waits inside the engine, which drops it when the budget it was
+    handed passes (504 ``deadline_exceeded``, counted by the engine); the streams are unharmed."""
+    edge = {**EDGE, "model": tiny_model, "max_num_seqs": 1, "max_concurrency": 4, "dtype": "float32"}
+    gw = gateways({"edge": edge})
+    url = gw.url + "/v1/chat/completions"
+    long = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200, "ignore_eos": True, "stream": True}
+    patient = {"x-latency-budget-ms": "60000"}
+    with httpx.Client(timeout=60) as client, client.stream("POST", url, json=long, headers=patient) as first:
+        lines = first.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))  # the engine is busy with it
+        with httpx.Client(timeout=60) as other, other.stream("POST", url, json=long, headers=patient) as second:
+            late = client.post(url, json={**long, "stream": False, "max_tokens": 4}, headers={"x-latency-budget-ms": "200"})
+            tails = [[line for line in stream if line.startswith("data: ")][-2:] for stream in (lines, second.iter_lines())]
+    assert late.status_code == 504, late.text
+    assert late.json()["error"]["code"] == "deadline_exceeded"
+    assert gw.state.fleet.edge.engine.stats().num_deadline_drops == 1
+    for tail in tails:  # all 200 tokens of each stream, then [DONE]: the drop touched neither
+        assert '"finish_reason":"length"' in tail[0] and tail[1] == "data: [DONE]"
