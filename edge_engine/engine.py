@@ -53,7 +53,7 @@ from .loader import load_model
 from .runner import ModelRunner, resolve_dtypes
 from .sampling import SampleResult, SamplingParams
 from .scheduler import Scheduler
-from .sequence import Delta, Priority, Sequence
+from .sequence import Delta, Priority, Sequence, StageTimes
 from .tokenizer import IncrementalDetokenizer
 
 __all__ = ["Engine", "EngineStats"]
@@ -536,6 +536,7 @@ class Engine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
             num_cached_tokens=seq.num_cached_tokens,
+            times=StageTimes.of(seq, now) if finish is not None else None,
         )
 
     def _deliver(self, events: list[tuple[Sequence, object]]) -> None:

@@ -18,6 +18,7 @@ deadline has passed, before they cost a prefill.
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
@@ -186,7 +187,9 @@ class Scheduler:
             bm.allocate_cached(seq, hits)
             bm.allocate(seq, n)
             seq.status = SequenceStatus.RUNNING
-            seq.is_started = True
+            if not seq.is_started:
+                seq.is_started = True
+                seq.started_time = time.monotonic()
             bisect.insort(self.running, seq, key=Sequence.sort_key)
             out.scheduled.append((seq, n))
         return out

@@ -10,7 +10,7 @@ from typing import Any
 
 from .sampling import SampleResult, SamplingParams
 
-__all__ = ["Sequence", "SequenceStatus", "Delta", "Priority"]
+__all__ = ["Sequence", "SequenceStatus", "Delta", "Priority", "StageTimes"]
 
 
 class Priority(enum.IntEnum):
@@ -66,6 +66,7 @@ class Sequence:
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.deadline = deadline  # time.monotonic() after which a sequence not yet started is dropped
         self.is_started = False  # scheduled at least once (a preempted sequence stays started)
+        self.started_time: float | None = None  # time.monotonic() of its first schedule
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         # filled in by the engine
@@ -117,6 +118,24 @@ class Sequence:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class StageTimes:
+    """Where a finished sequence's time went inside the engine, in seconds: ``queue`` from
+    its arrival to its first schedule, ``prefill`` from there to its first token (prompt
+    chunks and any wait for a batch slot between them), ``decode`` from the first token to
+    the last. Preemption shows in ``decode``: the engine's view, not the client's."""
+
+    queue: float
+    prefill: float
+    decode: float
+
+    @classmethod
+    def of(cls, seq: Sequence, now: float) -> StageTimes:
+        started = seq.started_time if seq.started_time is not None else seq.arrival_time
+        first = seq.first_token_time if seq.first_token_time is not None else now
+        return cls(started - seq.arrival_time, first - started, now - first)
+
+
 @dataclass(slots=True)
 class Delta:
     """What ``Engine.generate`` yields: the new text and tokens since the previous delta."""
@@ -129,6 +148,7 @@ class Delta:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    times: StageTimes | None = None  # on the last delta: where the sequence's time went
     extra: dict = field(default_factory=dict)
 
     @property

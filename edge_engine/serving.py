@@ -30,8 +30,9 @@ import orjson
 
 from .engine import Engine
 from .errors import InvalidRequestError
+from .openai_fields import check_request
 from .sampling import SampleResult, SamplingParams
-from .sequence import Delta, Priority
+from .sequence import Delta, Priority, StageTimes
 
 __all__ = ["OpenAIServing", "PreparedRequest"]
 
@@ -47,6 +48,7 @@ class PreparedRequest:
     completion_logprobs: int | None = None  # completions: the integer ``logprobs`` field
     deadline: float | None = None  # time.monotonic(): dropped with DeadlineExceededError if not started by then
     extra: dict = field(default_factory=dict)
+    times: StageTimes | None = None  # set when the answer has ended: the engine's stages
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -57,18 +59,10 @@ def _bad(message: str, param: str, code: str = "invalid_value") -> InvalidReques
     return InvalidRequestError(message, param, code)
 
 
-def _get(body: dict, name: str, kinds: tuple[type, ...], default: Any = None, *, type_name: str) -> Any:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) and bool not in kinds:
-        raise _bad(f"{name} must be {type_name}", name, "invalid_type")
-    if not isinstance(value, kinds):
-        raise _bad(f"{name} must be {type_name}", name, "invalid_type")
-    return value
-
-
-_NUMBER = (int, float)
+def _field(body: dict, name: str, default: Any) -> Any:
+    """``body[name]`` (already checked by ``check_request``), or ``default`` when absent or null."""
+    value = body.get(name)
+    return default if value is None else value
 
 
 class OpenAIServing:
@@ -80,65 +74,61 @@ class OpenAIServing:
     # -- request ------------------------------------------------------------------------
     def prepare(self, kind: str, body: dict, *, deadline: float | None = None) -> PreparedRequest:
         """Validate ``body`` and tokenise its prompt; ``deadline`` is a ``time.monotonic()``
-        value past which the request, if it has not started, is dropped (504)."""
+        value past which the request, if it has not started, is dropped (504).
+
+        Whether a field is well-formed is ``openai_fields.check_request``'s to say (the
+        gateway applies the same rules before a request reaches any target); what is left
+        here is what this engine supports (one choice, text content, no logit bias, echo or
+        suffix) and what only it can check (the prompt and ``max_tokens`` against its
+        context window, the tokens of a prompt given as ids)."""
         if kind not in ("chat", "completion"):
             raise ValueError(f"kind must be 'chat' or 'completion', not {kind!r}")
         if not isinstance(body, dict):
             raise _bad("the request body must be a JSON object", "body", "invalid_type")
+        check_request(kind, body)
         if kind == "chat":
             prompt_ids, prompt_param = self._chat_prompt(body), "messages"
         else:
             prompt_ids, prompt_param = self._completion_prompt(body), "prompt"
 
-        n = _get(body, "n", (int,), 1, type_name="an integer")
-        if n != 1:
-            raise _bad("only n = 1 is supported", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = _get(body, name, _NUMBER, 0.0, type_name="a number")
-            if not -2.0 <= value <= 2.0:
-                raise _bad(f"{name} must be in [-2, 2]", name)
+        if _field(body, "n", 1) != 1:
+            raise _bad("only n = 1 is supported", "n", "unsupported")
         if body.get("logit_bias"):
             raise _bad("logit_bias is not supported", "logit_bias", "unsupported")
-        stream = _get(body, "stream", (bool,), False, type_name="a boolean")
-        stream_options = _get(body, "stream_options", (dict,), {}, type_name="an object")
-        include_usage = stream_options.get("include_usage", False)
-        if not isinstance(include_usage, bool):
-            raise _bad("stream_options.include_usage must be a boolean", "stream_options.include_usage", "invalid_type")
+        stream = _field(body, "stream", False)
+        include_usage = _field(body, "stream_options", {}).get("include_usage") is True
 
         max_tokens_param = "max_tokens"
-        max_tokens = _get(body, "max_tokens", (int,), None, type_name="an integer")
+        max_tokens = _field(body, "max_tokens", None)
         if kind == "chat" and body.get("max_completion_tokens") is not None:
             max_tokens_param = "max_completion_tokens"
-            max_tokens = _get(body, "max_completion_tokens", (int,), None, type_name="an integer")
+            max_tokens = body["max_completion_tokens"]
         elif kind == "completion" and max_tokens is None and "max_tokens" not in body:
             max_tokens = 16  # the completions API's documented default
 
         completion_logprobs: int | None = None
         if kind == "chat":
-            logprobs = _get(body, "logprobs", (bool,), False, type_name="a boolean")
-            top_logprobs = _get(body, "top_logprobs", (int,), 0, type_name="an integer")
+            logprobs = _field(body, "logprobs", False)
+            top_logprobs = _field(body, "top_logprobs", 0)
         else:
-            completion_logprobs = _get(body, "logprobs", (int,), None, type_name="an integer")
-            if completion_logprobs is not None and not 0 <= completion_logprobs <= 5:
-                raise _bad("logprobs must be an integer in [0, 5]", "logprobs")
+            completion_logprobs = _field(body, "logprobs", None)
             logprobs = completion_logprobs is not None
             top_logprobs = completion_logprobs or 0
-            if body.get("echo"):
-                raise _bad("echo is not supported", "echo", "unsupported")
-            if body.get("suffix"):
-                raise _bad("suffix is not supported", "suffix", "unsupported")
+            for name in ("echo", "suffix"):
+                if body.get(name):
+                    raise _bad(f"{name} is not supported", name, "unsupported")
 
         try:
             params = SamplingParams(
-                temperature=_get(body, "temperature", _NUMBER, 1.0, type_name="a number"),
-                top_p=_get(body, "top_p", _NUMBER, 1.0, type_name="a number"),
-                top_k=_get(body, "top_k", (int,), 0, type_name="an integer"),
-                seed=_get(body, "seed", (int,), None, type_name="an integer"),
+                temperature=_field(body, "temperature", 1.0),
+                top_p=_field(body, "top_p", 1.0),
+                top_k=_field(body, "top_k", 0),
+                seed=_field(body, "seed", None),
                 max_tokens=max_tokens,
-                min_tokens=_get(body, "min_tokens", (int,), 0, type_name="an integer"),
-                stop=_get(body, "stop", (str, list), [], type_name="a string or a list of strings"),
-                stop_token_ids=_get(body, "stop_token_ids", (list,), [], type_name="a list of integers"),
-                ignore_eos=_get(body, "ignore_eos", (bool,), False, type_name="a boolean"),
+                min_tokens=_field(body, "min_tokens", 0),
+                stop=_field(body, "stop", []),
+                stop_token_ids=_field(body, "stop_token_ids", []),
+                ignore_eos=_field(body, "ignore_eos", False),
                 logprobs=logprobs,
                 top_logprobs=top_logprobs,
             )
@@ -169,29 +159,23 @@ class OpenAIServing:
         )
 
     def _chat_prompt(self, body: dict) -> list[int]:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise _bad("messages must be a non-empty list", "messages", "invalid_type")
         rendered: list[dict] = []
-        for i, message in enumerate(messages):
-            param = f"messages[{i}]"
-            if not isinstance(message, dict):
-                raise _bad(f"{param} must be an object", param, "invalid_type")
-            role = message.get("role")
-            if role not in ("system", "developer", "user", "assistant", "tool"):
-                raise _bad(f"{param}.role must be system, user, assistant or tool", f"{param}.role")
+        for i, message in enumerate(body["messages"]):  # well-formed: check_request saw them
+            param = f"messages.[{i}]"
+            role = message["role"]
+            if role == "function":
+                raise _bad(f"{param}.role function is not supported (use tool)", f"{param}.role", "unsupported")
             content = message.get("content")
-            if content is None and role == "assistant":
-                content = ""
-            if isinstance(content, list):
+            if content is None:
+                content = ""  # an assistant turn that only called tools
+            elif isinstance(content, list):
                 parts = []
                 for j, part in enumerate(content):
-                    if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                        raise _bad(f"{param}.content[{j}] must be a text part", f"{param}.content", "unsupported")
+                    if part["type"] not in ("text", "input_text"):
+                        where = f"{param}.content.[{j}]"
+                        raise _bad(f"{where} is a {part['type']} part; this model reads text only", where, "unsupported")
                     parts.append(part["text"])
                 content = "".join(parts)
-            if not isinstance(content, str):
-                raise _bad(f"{param}.content must be a string or a list of text parts", f"{param}.content", "invalid_type")
             rendered.append({"role": "system" if role == "developer" else role, "content": content})
         self.engine.check_prompt_chars(sum(len(m["content"]) for m in rendered), "messages")
         try:
@@ -304,6 +288,7 @@ class OpenAIServing:
                         **usage_field,
                     }
                 )
+        prepared.times = last.times if last is not None else None
         if prepared.include_usage:
             yield orjson.dumps(
                 {
@@ -328,6 +313,7 @@ class OpenAIServing:
                 texts.append(delta.text)
                 if delta.logprobs:
                     logprobs.extend(delta.logprobs)
+        prepared.times = last.times if last is not None else None
         text = "".join(texts)
         finish = last.finish_reason if last else "stop"
         if prepared.kind == "chat":

@@ -75,7 +75,7 @@ class RequestContext:
         "request_id", "timing", "arrival", "raw_headers", "headers", "peer", "tenant", "forward", "body",
         "parsed", "api", "model", "via", "status", "gone", "finished", "rate_headers", "token_estimate",
         "usage_tokens", "send_timeout", "stalled", "target_kind", "ttft", "tokens", "gaps", "prompt_tokens",
-        "wall_start", "span", "client_spans", "trace_id", "_admitted",
+        "target_stages", "wall_start", "span", "client_spans", "trace_id", "_admitted",
     )
 
     def __init__(self, scope: dict, request_id: bytes, api: str) -> None:
@@ -107,6 +107,7 @@ class RequestContext:
         self.tokens = 0  # content events relayed (1 for a JSON answer)
         self.gaps: list[float] = []  # seconds between relayed events
         self.prompt_tokens = 0  # the prompt's size, estimated at admission
+        self.target_stages: tuple[tuple[str, float], ...] = ()  # measured inside the target (Reply.stages)
         self.span = None  # the server span, when traces are on (gateway.tracing)
         self.client_spans: list = []  # a span per target the request was sent to
         self.trace_id = _trace_id(self.headers.get("traceparent"))  # for the access log

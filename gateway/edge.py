@@ -75,6 +75,13 @@ class EngineReply(Reply):
             return None
         return sse_event(chunk)
 
+    @property
+    def stages(self) -> tuple[tuple[str, float], ...]:
+        times = self._prepared.times
+        if times is None:  # not ended (or ended in an error)
+            return ()
+        return (("engine_queue", times.queue), ("engine_prefill", times.prefill), ("engine_decode", times.decode))
+
     async def aclose(self) -> None:
         if self._chunks is not None:
             await self._chunks.aclose()

@@ -73,7 +73,7 @@ class CompletionsApp:
             failure = exc
             raise
         finally:
-            await answer.close(failure)
+            await answer.close(ctx, failure)
 
 
 class WebSocketApp:
@@ -145,7 +145,7 @@ class WebSocketApp:
             ctx.status = 499
         finally:
             socket.busy = False
-            await answer.close(failure)
+            await answer.close(ctx, failure)
             gate.done(ctx)
         return ctx.gone
 

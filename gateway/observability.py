@@ -13,6 +13,12 @@ Stages (Server-Timing names), each starting where the previous one ended:
             first token shows in the TTFT histogram; non-streaming answers in ``total``)
   total     everything up to the moment the header is sent (non-streaming: the whole answer)
 
+The relay adds ``first_token`` and ``decode`` (what the client saw) to the histogram and the
+access log, and the edge engine its own view once its answer has ended (``Reply.stages``):
+  engine_queue    waiting in the engine for a batch slot and KV blocks
+  engine_prefill  from its first schedule to its first token (prompt chunks included)
+  engine_decode   from the first token to the last
+
 Metric labels say what they hold: ``api`` (chat | completions | ws), ``model``, ``target``
 (an endpoint URL, ``edge``, ``cache`` or ``coalesced``), ``endpoint`` (an endpoint URL).
 """
@@ -238,7 +244,7 @@ class Metrics:
         )
         self.stage = Histogram(
             "edgegw_stage_seconds",
-            "Time a request spent in each stage (the Server-Timing stages, and first_token and decode for streams).",
+            "Time a request spent in each stage: the Server-Timing stages, first_token and decode as relayed, the edge engine's own.",
             ["stage", "target_kind"],
             buckets=_LATENCY_BUCKETS,
             registry=registry,
@@ -352,6 +358,8 @@ class Observer:
         children = self.metrics.stage_children(kind)
         for name, seconds in stages.items():
             children[name].observe(seconds)
+        for name, seconds in ctx.target_stages:
+            children[name].observe(seconds)
         children["total"].observe(total)
         tenant = ctx.tenant
         priority = tenant.priority if tenant is not None else "-"
@@ -367,7 +375,7 @@ class Observer:
         if self.tracing is not None:
             self.tracing.finish(ctx, total)
         if self.access_log:
-            stage_text = ",".join(f"{name}:{seconds * 1000:.1f}" for name, seconds in stages.items())
+            stage_text = ",".join(f"{name}:{seconds * 1000:.1f}" for name, seconds in (*stages.items(), *ctx.target_stages))
             ttft = "-" if ctx.ttft is None else f"{ctx.ttft * 1000:.1f}ms"
             access_log.info(
                 "%s %s %s tenant=%s model=%s via=%s ttft=%s total=%.1fms trace=%s stages=%s",

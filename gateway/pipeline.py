@@ -58,8 +58,9 @@ class Answer:
         """The route header of a failed request: its decision if one was made, else why not."""
         return self.route or f"target=none; why={exc.code or exc.type}".encode("ascii", "replace")
 
-    async def close(self, exc: BaseException | None = None) -> None:
+    async def close(self, ctx: RequestContext, exc: BaseException | None = None) -> None:
         if self.reply is not None:
+            ctx.target_stages = self.reply.stages
             await self.reply.aclose()
         if self.flight is not None:
             await self.flight.release(exc)

@@ -51,6 +51,9 @@ class Reply:
     pool_wait = 0.0  # seconds spent getting an upstream connection (connect included)
     protocol = ""  # what carried an upstream reply: http1 | http2 | http3
     slot: Slot | None = None  # its place at its target (gateway.queueing), given back at its end
+    # (name, seconds) the target measured inside itself, known once the answer has ended:
+    # the edge engine's engine_queue, engine_prefill and engine_decode
+    stages: tuple[tuple[str, float], ...] = ()
 
     async def read_body(self) -> bytes:
         raise NotImplementedError

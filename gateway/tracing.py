@@ -84,7 +84,7 @@ class Tracing:
         if span is None:
             return
         parent = trace.set_span_in_context(span)
-        at = ctx.wall_start
+        at = sent = ctx.wall_start
         for name, seconds, desc in ctx.timing.stages:
             end = at + int(seconds * 1e9)
             stage = self.tracer.start_span(f"edgegw.{name}", context=parent, start_time=at)
@@ -92,6 +92,16 @@ class Tracing:
                 stage.set_attribute("edgegw.stage.detail", desc)
             stage.end(end_time=end)
             at = end
+            if name == "engine":  # the prompt is ready: the engine's own stages start here
+                sent = end
+        if ctx.target_stages:  # the target's own, back to back, overlapping the relay's stages
+            inside = self.tracer.start_span("edgegw.inside_target", context=parent, start_time=sent)
+            within = trace.set_span_in_context(inside)
+            for name, seconds in ctx.target_stages:
+                end = sent + int(seconds * 1e9)
+                self.tracer.start_span(f"edgegw.{name}", context=within, start_time=sent).end(end_time=end)
+                sent = end
+            inside.end(end_time=sent)
         end = ctx.wall_start + int(total_s * 1e9)
         for client in ctx.client_spans:
             client.end(end_time=end)

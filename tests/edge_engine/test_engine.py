@@ -332,3 +332,23 @@ async def test_a_request_whose_deadline_passes_in_the_queue_is_dropped_before_it
 
 async def collect_rest(gen):
     return [d async for d in gen]
+
+
+async def test_the_last_delta_says_where_the_sequence_spent_its_time(tiny_gguf):
+    engine = make_engine(tiny_gguf, max_num_seqs=1)  # the second request waits for the first
+    await engine.start()
+    try:
+        params = dict(temperature=0, max_tokens=8, ignore_eos=True)
+        started = time.monotonic()
+        first, second = await asyncio.gather(collect(engine, "Hello", **params), collect(engine, "Hello there", **params))
+        elapsed = time.monotonic() - started
+    finally:
+        await engine.close()
+    assert all(d.times is None for d in first[:-1] + second[:-1])
+    ahead, behind = first[-1].times, second[-1].times
+    for times in (ahead, behind):
+        assert min(times.queue, times.prefill, times.decode) >= 0
+        assert times.queue + times.prefill + times.decode <= elapsed
+    # the one behind waited for the whole of the one ahead; the one ahead hardly at all
+    assert behind.queue >= ahead.prefill + ahead.decode
+    assert ahead.queue < behind.queue

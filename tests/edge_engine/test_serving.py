@@ -24,7 +24,7 @@ def serving(tiny_engine):
     ("kind", "body", "param"),
     [
         pytest.param("chat", {"messages": []}, "messages", id="no-messages"),
-        pytest.param("chat", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", id="bad-role"),
+        pytest.param("chat", {"messages": [{"role": "wizard", "content": "x"}]}, "messages.[0].role", id="bad-role"),
         pytest.param("chat", {**CHAT, "temperature": -1}, "temperature", id="negative-temperature"),
         pytest.param("chat", {**CHAT, "temperature": "0"}, "temperature", id="temperature-type"),
         pytest.param("chat", {**CHAT, "top_p": 0}, "top_p", id="top-p-zero"),

@@ -121,3 +121,30 @@ def test_without_an_exporter_the_clients_trace_context_passes_unchanged(upstream
     httpx.post(gw.url + "/v1/chat/completions", json=CHAT, headers={"traceparent": TRACEPARENT, "tracestate": "vendor=1"})
     assert fake.requests[-1].headers["traceparent"] == TRACEPARENT
     assert fake.requests[-1].headers["tracestate"] == "vendor=1"
+
+
+def test_an_edge_answer_shows_the_engines_own_stages_in_its_trace_metrics_and_log(gateways, tiny_model, receiver, caplog):
+    edge = {"enabled": True, "model": tiny_model, "name": "tiny", "dtype": "float32", "num_kv_blocks": 64, "block_size": 4}
+    gw = gateways({"edge": edge, "tracing": {"endpoint": receiver.url}, "listen": {"access_log": True}})
+    ask = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "ignore_eos": True}
+    with caplog.at_level(logging.INFO, logger="edgegw.access"):
+        for stream in (True, False):
+            response = httpx.post(gw.url + "/v1/chat/completions", json={**ask, "stream": stream}, headers={"traceparent": TRACEPARENT}, timeout=60)
+            assert response.status_code == 200, response.text
+    spans = receiver.wait_for(lambda s: sum(span.name == "edgegw.engine_decode" for _, span in s) == 2)
+    for request in [span for _, span in spans if span.name == "chat request"]:
+        mine = {span.name: span for _, span in spans if span.trace_id == request.trace_id and span.end_time_unix_nano <= request.end_time_unix_nano}
+        inside = [span for _, span in spans if span.name == "edgegw.inside_target" and span.parent_span_id == request.span_id]
+        assert len(inside) == 1
+        engine = [span for _, span in spans if span.parent_span_id == inside[0].span_id]
+        assert [span.name for span in engine] == ["edgegw.engine_queue", "edgegw.engine_prefill", "edgegw.engine_decode"]
+        # back to back, inside the request, starting once the prompt was ready
+        assert engine[0].start_time_unix_nano >= mine["edgegw.engine"].end_time_unix_nano
+        assert engine[0].end_time_unix_nano == engine[1].start_time_unix_nano and engine[1].end_time_unix_nano == engine[2].start_time_unix_nano
+        assert engine[2].end_time_unix_nano <= request.end_time_unix_nano
+        assert engine[2].end_time_unix_nano > engine[2].start_time_unix_nano  # five tokens after the first take time
+    metrics = httpx.get(gw.url + "/metrics").text
+    for stage in ("engine_queue", "engine_prefill", "engine_decode"):
+        assert f'edgegw_stage_seconds_count{{stage="{stage}",target_kind="edge"}} 2.0' in metrics
+    logged = [r.getMessage() for r in caplog.records if r.name == "edgegw.access"]
+    assert len(logged) == 2 and all("engine_prefill:" in line and "engine_decode:" in line for line in logged)
