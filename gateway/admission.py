@@ -252,7 +252,10 @@ class AdmissionApp:
             await gate.admit(ctx, self.kind)
             ctx.timing.mark("admit")
             scope["edgegw"] = ctx
-            watcher = _watch(receive, ctx, asyncio.current_task())
+            if ON_GONE in scope:  # the listener calls it when the connection is lost
+                scope[ON_GONE] = _on_gone(ctx, asyncio.current_task())
+            else:
+                watcher = _watch(receive, ctx, asyncio.current_task())
             await self.app(scope, receive, send)
         except GatewayError as exc:
             if not ctx.status:
@@ -297,6 +300,20 @@ def _check_content_type(ctx: RequestContext) -> None:
 def _refusal_headers(ctx: RequestContext, exc: GatewayError) -> list[tuple[bytes, bytes]]:
     why = f"target=none; why={exc.code or exc.type}".encode("ascii", "replace")
     return [(b"x-request-id", ctx.request_id), (b"x-edgegw-route", why), *ctx.rate_headers]
+
+
+# The scope key of a listener that reports a lost connection itself (gateway.ingress.http1):
+# admission puts a callable there in place of a task waiting on ``receive``.
+ON_GONE = "edgegw.on_gone"
+
+
+def _on_gone(ctx: RequestContext, task: asyncio.Task):
+    def gone() -> None:
+        if not ctx.finished:
+            ctx.gone = True
+            task.cancel()
+
+    return gone
 
 
 def _watch(receive, ctx: RequestContext, task: asyncio.Task) -> asyncio.Task:

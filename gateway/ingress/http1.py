@@ -17,7 +17,9 @@ are answered in plain text. ``H1Protocol`` adds, per connection:
   method, smuggling attempts) and for ``limits.max_connections`` (``503`` with
   ``Retry-After``).
 
-Timeouts go through the loop's watchdog (``gateway.timeouts``): no timer per request.
+Timeouts go through the loop's watchdog (``gateway.timeouts``): no timer per request. A
+lost connection is reported to the request's ``scope[ON_GONE]`` when admission put a
+callable there: no task per request waits on ``receive`` for the disconnect.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import httptools
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from gateway.admission import ON_GONE
 from gateway.settings import LimitSettings
 from gateway.timeouts import Watch, watchdog
 
@@ -68,7 +71,12 @@ class H1Protocol(HttpToolsProtocol):
 
     def connection_lost(self, exc) -> None:
         self._dog.discard(self._deadline)
+        cycle = self.cycle
         super().connection_lost(exc)
+        if cycle is not None and cycle.disconnected:  # lost before the response was complete
+            gone = cycle.scope.get(ON_GONE)
+            if gone is not None:
+                gone()
 
     def _arm(self) -> None:
         self._deadline.at = self._dog.loop.time() + self.limits.header_timeout_s
@@ -132,6 +140,7 @@ class H1Protocol(HttpToolsProtocol):
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
+        self.scope[ON_GONE] = None  # admission's to fill: told here when the client leaves
         self._in_head = False
         self._dog.discard(self._deadline)
         limit = self._max_connections
