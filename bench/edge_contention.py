@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import socket
 import statistics
 import subprocess
@@ -38,7 +37,7 @@ import yaml
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.overload import free_port, wait_port  # noqa: E402
+from bench.overload import free_port, stop, wait_port  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
@@ -151,13 +150,7 @@ def scenario(name: str, tenants: bool, streams: int, asks: int, workdir: str) ->
         finally:
             bulk.stop()
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop(proc)
     running = next((line.split()[-1] for line in gauges.splitlines() if line.startswith("edgegw_edge_running ")), "?")
     return {"scenario": name, "idle": idle, "results": results, "edge_running_during": running}
 

@@ -45,6 +45,35 @@ def raw_request(url: str, body: dict, rcvbuf: int | None = None, headers: dict |
     return sock
 
 
+def assert_a_slow_client_stalls_the_upstream(gw, fake) -> None:
+    """``fake`` offers 20,000 padded tokens (~320 MB) as fast as it can to a client of ``gw``
+    (a gateway process) that reads nothing: the upstream stalls after what the buffers
+    hold, the gateway does not grow, reading again resumes the stream, closing it cancels."""
+    process = psutil.Process(gw.proc.pid)
+    assert httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "fake": {"tokens": 1}}).status_code == 200
+    rss_before = process.memory_info().rss
+    sock = raw_request(gw.url, {**CHAT, "stream": True}, rcvbuf=64 * 1024)
+    assert wait_for(lambda: fake.requests and fake.requests[-1].bytes_sent > 0)
+    seen = fake.requests[-1]
+    previous = -1  # until the upstream writer makes no progress for a second
+    deadline = time.monotonic() + 30
+    while seen.bytes_sent != previous and time.monotonic() < deadline:
+        previous = seen.bytes_sent
+        time.sleep(1.0)
+    total = 20_000 * (16 * 1024 + 100)
+    assert seen.bytes_sent == previous, "the upstream writer never stalled"
+    assert seen.bytes_sent < total / 3
+    growth = process.memory_info().rss - rss_before
+    assert growth < 48 * 1024 * 1024, f"gateway grew by {growth / 1e6:.1f} MB"
+    got = 0
+    sock.settimeout(10)
+    while got < 4 * 1024 * 1024:  # reading again resumes the stream
+        got += len(sock.recv(1 << 20))
+    assert wait_for(lambda: seen.bytes_sent > previous)
+    sock.close()
+    assert wait_for(seen.disconnected.is_set, 5)
+
+
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_client_disconnect_mid_stream_closes_the_upstream_request(upstreams, gateways, protocol):
     fake = upstreams(protocol, tokens=200, delay=0.02)
@@ -80,32 +109,7 @@ def test_slow_client_stalls_the_upstream_and_bounds_gateway_memory(upstreams, ga
     """The upstream offers 320 MB as fast as it can; the client reads nothing. The upstream
     must stall after what the socket buffers hold, and the gateway process must not grow."""
     fake = upstreams(protocol, tokens=20_000, pad=16 * 1024)
-    gw = gateway_processes({"clusters": [cluster(fake)]})
-    process = psutil.Process(gw.proc.pid)
-    httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "fake": {"tokens": 1}})
-    rss_before = process.memory_info().rss
-    sock = raw_request(gw.url, {**CHAT, "stream": True}, rcvbuf=64 * 1024)
-    assert wait_for(lambda: fake.requests and fake.requests[-1].bytes_sent > 0)
-    seen = fake.requests[-1]
-    # wait until the upstream writer makes no progress for a second
-    previous = -1
-    deadline = time.monotonic() + 20
-    while seen.bytes_sent != previous and time.monotonic() < deadline:
-        previous = seen.bytes_sent
-        time.sleep(1.0)
-    total = 20_000 * (16 * 1024 + 100)
-    assert seen.bytes_sent == previous, "the upstream writer never stalled"
-    assert seen.bytes_sent < total / 3
-    growth = process.memory_info().rss - rss_before
-    assert growth < 48 * 1024 * 1024, f"gateway grew by {growth / 1e6:.1f} MB"
-    # reading again resumes the stream
-    got = 0
-    sock.settimeout(5)
-    while got < 4 * 1024 * 1024:
-        got += len(sock.recv(1 << 20))
-    assert wait_for(lambda: seen.bytes_sent > previous)
-    sock.close()
-    assert wait_for(seen.disconnected.is_set, 5)
+    assert_a_slow_client_stalls_the_upstream(gateway_processes({"clusters": [cluster(fake)]}), fake)
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)

@@ -9,14 +9,13 @@ import time
 
 import httpx
 import orjson
-import psutil
 import pytest
 
 from gateway.settings import EndpointSettings
 from gateway.upstream import FallbackPool, H3Pool, Origin, Timeouts
 from tests.conftest import cluster
 from tests.fakes_h3 import FakeH3Upstream, client_pool, fetch, h3_upstreams  # noqa: F401 (fixtures)
-from tests.gateway.test_cancellation import raw_request, wait_for
+from tests.gateway.test_cancellation import assert_a_slow_client_stalls_the_upstream, raw_request, wait_for
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}]}
 COMPLETION = {"model": "fake-model", "prompt": "hello"}
@@ -186,30 +185,7 @@ def test_slow_client_stalls_the_http3_upstream_and_bounds_gateway_memory(h3_upst
     gateway's pool must stop extending stream credit, so the upstream stalls, and the gateway
     process must not grow."""
     fake = h3_upstreams(tokens=20_000, pad=16 * 1024)
-    gw = gateway_processes({"clusters": [h3_cluster(fake)]})
-    process = psutil.Process(gw.proc.pid)
-    assert httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "fake": {"tokens": 1}}).status_code == 200
-    rss_before = process.memory_info().rss
-    sock = raw_request(gw.url, {**CHAT, "stream": True}, rcvbuf=64 * 1024)
-    assert wait_for(lambda: fake.requests and fake.requests[-1].bytes_sent > 0)
-    seen = fake.requests[-1]
-    previous = -1
-    deadline = time.monotonic() + 30
-    while seen.bytes_sent != previous and time.monotonic() < deadline:
-        previous = seen.bytes_sent
-        time.sleep(1.0)
-    total = 20_000 * (16 * 1024 + 100)
-    assert seen.bytes_sent == previous, "the upstream writer never stalled"
-    assert seen.bytes_sent < total / 3
-    growth = process.memory_info().rss - rss_before
-    assert growth < 48 * 1024 * 1024, f"gateway grew by {growth / 1e6:.1f} MB"
-    got = 0
-    sock.settimeout(10)
-    while got < 4 * 1024 * 1024:  # reading again resumes the stream
-        got += len(sock.recv(1 << 20))
-    assert wait_for(lambda: seen.bytes_sent > previous)
-    sock.close()
-    assert wait_for(seen.disconnected.is_set, 5)
+    assert_a_slow_client_stalls_the_upstream(gateway_processes({"clusters": [h3_cluster(fake)]}), fake)
 
 
 @pytest.mark.parametrize(
