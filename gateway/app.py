@@ -34,6 +34,7 @@ from gateway.diagnosis import Diagnosis
 from gateway.endpoints import CompletionsApp, HealthzApp, JSONApp, MetricsApp, ModelsApp, ReadyzApp, WebSocketApp
 from gateway.errors import error_body
 from gateway.fleet import Fleet
+from gateway.node import Node
 from gateway.observability import Metrics, Observer
 from gateway.openai import CHAT, COMPLETION
 from gateway.pipeline import Pipeline
@@ -48,10 +49,11 @@ logger = logging.getLogger("edgegw")
 class Gateway:
     """Everything the running gateway holds, built once and started by the lifespan."""
 
-    def __init__(self, settings: Settings, metrics: Metrics | None = None) -> None:
+    def __init__(self, settings: Settings, metrics: Metrics | None = None, node: Node | None = None) -> None:
         self.settings = settings
+        self.node = node
         self.metrics = metrics = metrics or Metrics()
-        self.fleet = Fleet(settings, metrics)
+        self.fleet = Fleet(settings, metrics, node)
         self.slos = SLOs(settings.slo)
         self.diagnosis = Diagnosis(queue_of=self.fleet.queues.get, rtt_of=self.fleet.rtt_of)
         # traces need the tracing extra (the OpenTelemetry SDK): imported only when asked for
@@ -120,8 +122,10 @@ class GatewayApp:
         await self.app(scope, receive, send)
 
 
-def create_app(settings: Settings, *, metrics: Metrics | None = None) -> GatewayApp:
-    gateway = Gateway(settings, metrics)
+def create_app(settings: Settings, *, metrics: Metrics | None = None, node: Node | None = None) -> GatewayApp:
+    """``node``: this worker's place on a node of several (``gateway.workers``); None for a
+    single-process gateway."""
+    gateway = Gateway(settings, metrics, node)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

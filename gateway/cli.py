@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import logging
 import os
+import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -25,8 +26,10 @@ from cache import CacheConfig
 from gateway.app import create_app
 from gateway.ingress import Server
 from gateway.ingress.http1 import H1Protocol
+from gateway.node import Node
 from gateway.observability import redact_logs
 from gateway.settings import ConfigError, Settings, load_settings, quickstart_settings
+from gateway.workers import Supervisor
 from loadgen import cli as bench_cli
 from routing import ClusterSpec, RoutingError, describe
 from routing import explain as explain_route
@@ -174,11 +177,33 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 2
     listen = settings.listen
     logging.basicConfig(level=listen.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if listen.workers > 1 or (settings.edge.enabled and settings.edge.process):
+        return Supervisor(settings, _serve_worker).run()  # gateway/workers.py
     config = uvicorn_config(settings, create_app(settings))
     redact_logs("uvicorn", "uvicorn.error", "uvicorn.access")  # no key in any log line, at any level
     server = _DrainingServer(config, listen, high_water=settings.limits.stream_buffer_bytes)
     server.run()
     return 0
+
+
+def _serve_worker(settings: Settings, node: Node, sock: socket.socket) -> None:
+    """One relay worker of a node (``gateway.workers.Supervisor`` runs it in a process of
+    its own): the same app as a single-process gateway, on the slot's socket ``sock`` and on
+    the worker's own Unix socket in the node's run directory."""
+    listen = settings.listen
+    logging.basicConfig(
+        level=listen.log_level.upper(), format=f"%(asctime)s %(levelname)s worker {node.index} %(name)s: %(message)s"
+    )
+    private = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    path = node.worker_socket(node.index)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)  # left by the worker this one replaces
+    private.bind(path)
+    private.listen(128)
+    config = uvicorn_config(settings, create_app(settings, node=node))
+    redact_logs("uvicorn", "uvicorn.error", "uvicorn.access")
+    server = _DrainingServer(config, listen, high_water=settings.limits.stream_buffer_bytes, reuse_port=True)
+    server.run(sockets=[sock, private])
 
 
 def uvicorn_config(settings: Settings, app, **overrides) -> uvicorn.Config:

@@ -25,6 +25,7 @@ import orjson
 
 from gateway.admission import RequestContext
 from gateway.errors import GatewayError, NoHealthyUpstream, PoolTimeout, UpstreamConnectError
+from gateway.node import Node
 from gateway.observability import Metrics, Sample
 from gateway.openai import ParsedRequest
 from gateway.queueing import TargetQueue
@@ -117,9 +118,10 @@ class HealthFeed:
 
 
 class Fleet:
-    def __init__(self, settings: Settings, metrics: Metrics) -> None:
+    def __init__(self, settings: Settings, metrics: Metrics, node: Node | None = None) -> None:
         self.settings = settings
         self.metrics = metrics
+        self.node = node
         self.routing = settings.routing
         self.clusters: list[Cluster] = []
         self.upstreams: dict[str, Upstream] = {}

@@ -97,6 +97,16 @@ class ListenSettings(_Model):
     access_log: bool = False  # one log line per request from the gateway itself (not uvicorn's)
     tls: TLSListenSettings | None = None  # also serve HTTPS (HTTP/1.1 + HTTP/2) on another port
     http3: HTTP3ListenSettings | None = None  # also serve HTTP/3 (QUIC, UDP); HTTPS answers advertise it (Alt-Svc)
+    workers: int | Literal["auto"] = 1  # relay processes on these ports (auto: the cores this process may use)
+
+    @field_validator("workers")
+    @classmethod
+    def _resolve_workers(cls, value: int | str) -> int:
+        if value == "auto":
+            return len(os.sched_getaffinity(0))
+        if value < 1:
+            raise ValueError("must be at least 1, or auto")
+        return value
 
 
 class LimitSettings(_Model):
@@ -208,6 +218,7 @@ class EdgeSettings(_Model):
     max_pending_outputs: int = _ENGINE["max_pending_outputs"]  # unread tokens per stream before its sequence pauses
     enable_prefix_caching: bool = _ENGINE["enable_prefix_caching"]  # share KV blocks of repeated prefixes
     num_threads: int | None = _ENGINE["num_threads"]  # torch CPU threads; null: torch's default
+    process: bool = False  # run the engine in a process of its own (always so with listen.workers > 1)
 
     @property
     def served_name(self) -> str:

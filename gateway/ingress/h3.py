@@ -310,8 +310,11 @@ async def serve_http3(
     server_state: Any,
     app_state: dict[str, Any] | None = None,
     high_water: int = 256 * 1024,
+    reuse_port: bool = False,
 ) -> H3Listener:
     """Serve ``app`` over HTTP/3 on UDP ``host:port`` (0 picks a free port: ``listener.port``).
+    ``reuse_port``: share the port with the other workers of the node (SO_REUSEPORT: the
+    kernel keeps each client address on one worker).
 
     ``server_state`` is uvicorn's ``ServerState`` (or anything with ``connections``,
     ``tasks`` and ``default_headers``): connections and request tasks are tracked there, so
@@ -332,5 +335,5 @@ async def serve_http3(
         high_water=high_water,
         tickets=TicketStore(),
     )
-    await loop.create_datagram_endpoint(lambda: listener, local_addr=(host, port))
+    await loop.create_datagram_endpoint(lambda: listener, local_addr=(host, port), reuse_port=reuse_port or None)
     return listener

@@ -92,12 +92,17 @@ class Server(uvicorn.Server):
     """``uvicorn.Server`` that also runs ``listen.tls`` and ``listen.http3``.
 
     ``high_water`` is the relay buffer (``limits.stream_buffer_bytes``): the HTTP/3 listener
-    keeps at most that many unacknowledged bytes per stream before it blocks the app."""
+    keeps at most that many unacknowledged bytes per stream before it blocks the app.
+    ``reuse_port``: the HTTPS and HTTP/3 ports are shared with the node's other workers
+    (SO_REUSEPORT), each of which opens its own listeners."""
 
-    def __init__(self, config: uvicorn.Config, listen: ListenSettings, *, high_water: int = 256 * 1024) -> None:
+    def __init__(
+        self, config: uvicorn.Config, listen: ListenSettings, *, high_water: int = 256 * 1024, reuse_port: bool = False
+    ) -> None:
         super().__init__(config)
         self.listen = listen
         self.high_water = high_water
+        self.reuse_port = reuse_port
         self.http3: H3Listener | None = None
 
     async def startup(self, sockets=None) -> None:
@@ -112,7 +117,12 @@ class Server(uvicorn.Server):
             if listen.tls is not None:
                 context = tls_context(listen.tls.certfile, listen.tls.keyfile)
                 server = await loop.create_server(
-                    lambda: _AlpnSwitch(self), listen.host, listen.tls.port, ssl=context, backlog=self.config.backlog
+                    lambda: _AlpnSwitch(self),
+                    listen.host,
+                    listen.tls.port,
+                    ssl=context,
+                    backlog=self.config.backlog,
+                    reuse_port=self.reuse_port or None,
                 )
                 self.servers.append(server)  # uvicorn closes it with its own on shutdown
                 logger.info("HTTPS (HTTP/1.1, HTTP/2) on https://%s:%d", listen.host, listen.tls.port)
@@ -126,6 +136,7 @@ class Server(uvicorn.Server):
                     server_state=self.server_state,
                     app_state=self.lifespan.state,
                     high_water=self.high_water,
+                    reuse_port=self.reuse_port,
                 )
                 logger.info("HTTP/3 on udp://%s:%d", listen.host, listen.http3.port)
         except (OSError, ssl.SSLError) as exc:

@@ -22,10 +22,12 @@ def test_unquoted_off_on_yes_no_are_the_words_they_look_like(tmp_path):
     assert settings.cache.singleflight is False and settings.listen.access_log is True
 
 
-def test_listen_workers_is_not_a_key_that_does_nothing(tmp_path):
+def test_listen_workers_is_read_and_a_bad_value_is_named_with_its_line(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("listen:\n  workers: 4\n")
-    with pytest.raises(ConfigError, match=r"c.yaml:2: listen.workers: unknown key"):
+    assert load_settings(path).listen.workers == 4
+    path.write_text("listen:\n  workers: 0\n")
+    with pytest.raises(ConfigError, match=r"c.yaml:2: listen.workers: Value error, must be at least 1, or auto"):
         load_settings(path)
 
 

@@ -1,0 +1,112 @@
+"""``listen.workers``: ``edgegw serve`` as a supervising parent of relay worker processes
+on one port (real processes, real sockets on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import httpx
+import pytest
+
+from gateway.settings import ListenSettings
+from gateway.workers import bind_slots
+from tests.conftest import cluster
+
+CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def worker_pids(gw, count: int, timeout: float = 30, exclude: frozenset[int] = frozenset()) -> dict[int, int]:
+    """Worker number -> pid of its latest process, from the parent's log, once ``count``
+    workers (none of them ``exclude``d) have started."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pids: dict[int, int] = {}
+        for index, pid in re.findall(r"worker (\d+) started \(pid (\d+)\)", gw.log.read_text()):
+            pids[int(index)] = int(pid)
+        if len(pids) == count and not exclude & set(pids.values()):
+            return pids
+        assert gw.proc.poll() is None, gw.log.read_text()
+        time.sleep(0.05)
+    raise AssertionError(f"workers did not start: {gw.log.read_text()}")
+
+
+def is_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def ask(url: str, count: int) -> list[int]:
+    """``count`` completions, each on a new connection (spread over the workers by the kernel)."""
+    statuses = []
+    for _ in range(count):
+        with httpx.Client(timeout=10) as client:
+            statuses.append(client.post(url + "/v1/chat/completions", json=CHAT).status_code)
+    return statuses
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        pytest.param(1, 1, id="default"),
+        pytest.param(3, 3, id="number"),
+        pytest.param("auto", len(os.sched_getaffinity(0)), id="auto"),
+    ],
+)
+def test_listen_workers_is_a_number_or_auto(value, expected):
+    assert ListenSettings(workers=value).workers == expected
+
+
+@pytest.mark.parametrize("value", [pytest.param(0, id="zero"), pytest.param("many", id="word")])
+def test_listen_workers_refuses_anything_else(value):
+    with pytest.raises(ValueError, match="workers"):
+        ListenSettings(workers=value)
+
+
+def test_the_slots_share_one_port():
+    slots = bind_slots("127.0.0.1", 0, 3)
+    try:
+        ports = {sock.getsockname()[1] for sock in slots}
+        assert len(ports) == 1 and ports != {0}
+    finally:
+        for sock in slots:
+            sock.close()
+
+
+def test_two_workers_serve_one_port_a_killed_worker_is_replaced_and_sigterm_drains_them(upstreams, gateway_processes):
+    fake = upstreams()
+    gw = gateway_processes({"listen": {"workers": 2}, "clusters": [cluster(fake)]})
+    pids = worker_pids(gw, 2)
+    assert len(set(pids.values())) == 2 and gw.proc.pid not in pids.values()
+    assert ask(gw.url, 10) == [200] * 10
+
+    os.kill(pids[1], signal.SIGKILL)  # a worker of ours, by its pid
+    replaced = worker_pids(gw, 2, exclude=frozenset({pids[1]}))
+    assert replaced[0] == pids[0] and replaced[1] != pids[1]
+    assert "worker 1 (pid %d) ended (killed by signal 9)" % pids[1] in gw.log.read_text()
+    assert ask(gw.url, 10) == [200] * 10  # connections the kernel gave to slot 1 waited for its new worker
+    assert all(is_running(pid) for pid in replaced.values())
+
+    gw.proc.send_signal(signal.SIGTERM)
+    assert gw.proc.wait(30) == 0
+    assert not any(is_running(pid) for pid in replaced.values())
+
+
+def test_sigterm_lets_a_stream_in_flight_finish(upstreams, gateway_processes):
+    fake = upstreams(tokens=10, delay=0.1)
+    gw = gateway_processes({"listen": {"workers": 2}, "clusters": [cluster(fake)]})
+    worker_pids(gw, 2)
+    with httpx.Client(timeout=20) as client:
+        with client.stream("POST", gw.url + "/v1/chat/completions", json={**CHAT, "stream": True}) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            gw.proc.send_signal(signal.SIGTERM)  # the stream is in flight
+            rest = list(lines)
+    assert "data: [DONE]" in rest
+    assert gw.proc.wait(30) == 0
