@@ -7,19 +7,24 @@ Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /he
 ``data: [DONE]`` at the end; the response starts with the first chunk, so a request refused
 or dropped before its first token still gets its own status code.  The request header
 ``x-latency-budget-ms`` sets the request's deadline (a request not started within it gets
-504 ``deadline_exceeded``).  A thin Starlette app over ``OpenAIServing``.
+504 ``deadline_exceeded``).  A client that leaves while its request waits for its first token
+(or, non-streaming, for its whole answer) has its sequence dropped at once, as one that leaves
+mid-stream does.  With ``x-validate-only: 1`` a completion request is only checked: 204 if the
+engine would take it, else the error it would get.  A thin Starlette app over ``OpenAIServing``.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import itertools
 import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any
 
 import orjson
 import uvicorn
@@ -46,6 +51,30 @@ def _error_response(exc: EngineError) -> Response:
 
 
 LATENCY_BUDGET_HEADER = "x-latency-budget-ms"
+VALIDATE_HEADER = "x-validate-only"
+_GONE = object()
+
+
+async def _unless_gone(request: Request, work: Awaitable[Any]) -> Any:
+    """``work``'s result, or ``_GONE`` (``work`` cancelled, its sequence dropped) if the
+    client disconnects first."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait((task,))
+    if task.cancelled():
+        return _GONE
+    return task.result()
+
+
+async def _disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _deadline(request: Request) -> float | None:
@@ -86,21 +115,27 @@ def create_app(engine: Engine, model_name: str | None = None) -> Starlette:
                 prepared = serving.prepare(kind, await _body(request), deadline=_deadline(request))
             except EngineError as exc:
                 return _error_response(exc)
+            if request.headers.get(VALIDATE_HEADER) == "1":
+                return Response(status_code=204)
             request_id = f"{prefix}{uuid.uuid4().hex[:24]}{next(counter)}"
             if not prepared.stream:
                 try:
-                    return Response(await serving.complete(prepared, request_id), media_type="application/json")
+                    body = await _unless_gone(request, serving.complete(prepared, request_id))
                 except EngineError as exc:
                     return _error_response(exc)
+                return Response(status_code=499) if body is _GONE else Response(body, media_type="application/json")
 
             chunks = serving.stream(prepared, request_id)
             try:  # wait for the first chunk before the headers: a refusal keeps its status code
-                first = await anext(chunks)
+                first = await _unless_gone(request, anext(chunks))
             except EngineError as exc:
                 return _error_response(exc)
             except BaseException:
                 await chunks.aclose()
                 raise
+            if first is _GONE:
+                await chunks.aclose()
+                return Response(status_code=499)  # nobody reads it
 
             async def sse() -> AsyncIterator[bytes]:
                 async with contextlib.aclosing(chunks):

@@ -269,13 +269,13 @@ def _snapshot(gateway, now_r: _Reading, base: _Reading | None, now: float) -> di
 
 
 def _engine(fleet) -> dict | None:
-    if fleet.edge is None:
+    stats = fleet.edge.snapshot() if fleet.edge is not None else None
+    if stats is None:
         return None
-    stats = fleet.edge.engine.stats()
     return {
-        "waiting": stats.num_waiting,
-        "running": stats.num_running,
-        "kv_blocks_used": stats.num_kv_blocks_used,
-        "kv_blocks_total": stats.num_kv_blocks_total,
-        "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
+        "waiting": stats["num_waiting"],
+        "running": stats["num_running"],
+        "kv_blocks_used": stats["num_kv_blocks_used"],
+        "kv_blocks_total": stats["num_kv_blocks_total"],
+        "prefix_cache_hit_rate": stats["prefix_cache_hit_rate"],
     }

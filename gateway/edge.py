@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 from edge_engine import DeadlineExceededError, Engine, EngineError, EngineOverloadedError, InvalidRequestError, OpenAIServing
 from edge_engine.serving import PreparedRequest
+from gateway.edge_client import engine_gauges
 from gateway.errors import GatewayError, InvalidRequest, NoHealthyUpstream, Overloaded, UpstreamError, UpstreamTimeout
 from gateway.observability import Sample
 from gateway.relay import DONE, sse_event
@@ -145,15 +146,9 @@ class EdgeBackend:
             healthy=self.engine.is_running,
         )
 
+    def snapshot(self) -> dict:
+        """The engine's ``stats()`` as a dict (the dashboard's engine panel)."""
+        return self.engine.stats().as_dict()
+
     def gauges(self) -> Iterator[Sample]:
-        stats = self.engine.stats()
-        yield "edgegw_edge_waiting", "Sequences waiting in the edge engine.", {}, stats.num_waiting
-        yield "edgegw_edge_running", "Sequences running in the edge engine.", {}, stats.num_running
-        yield "edgegw_edge_kv_blocks_used", "KV cache blocks in use.", {}, stats.num_kv_blocks_used
-        yield "edgegw_edge_kv_blocks_total", "KV cache blocks in the pool.", {}, stats.num_kv_blocks_total
-        yield "edgegw_edge_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache.", {}, stats.prefix_cache_hit_rate
-        yield "edgegw_edge_preemptions", "Sequences preempted since start.", {}, stats.num_preemptions
-        if stats.ttft_ms_p50 is not None:
-            yield "edgegw_edge_ttft_p50_seconds", "Recent median TTFT of the engine.", {}, stats.ttft_ms_p50 / 1e3
-        if stats.tpot_ms_p50 is not None:
-            yield "edgegw_edge_tpot_p50_seconds", "Recent median time per output token.", {}, stats.tpot_ms_p50 / 1e3
+        return engine_gauges(self.engine.stats().as_dict())

@@ -1,7 +1,7 @@
 """The fleet: everything a request can be sent to, and what is known about it.
 
 ``Fleet`` owns the upstream pools (one ``Upstream`` per endpoint URL), the clusters over
-them, the in-process edge engine's lifecycle, the GeoIP database, the routing table and
+them, the edge engine (in-process, or the node's engine process when it runs workers), the GeoIP database, the routing table and
 routing's live ``HealthState``; it probes endpoints, discovers their models, and exports
 their gauges. ``HealthFeed`` is the one place health is fed: replies report their first
 token and their end to it, ``open_target`` reports what happened while opening, and the
@@ -24,6 +24,7 @@ from collections.abc import Iterator
 import orjson
 
 from gateway.admission import RequestContext
+from gateway.edge_client import EdgeClient
 from gateway.errors import GatewayError, NoHealthyUpstream, PoolTimeout, UpstreamConnectError
 from gateway.node import Node
 from gateway.observability import Metrics, Sample
@@ -125,7 +126,7 @@ class Fleet:
         self.routing = settings.routing
         self.clusters: list[Cluster] = []
         self.upstreams: dict[str, Upstream] = {}
-        self.edge = None  # gateway.edge.EdgeBackend when edge.enabled
+        self.edge = None  # when edge.enabled: gateway.edge.EdgeBackend, or EdgeClient on a node of workers
         self.geo: GeoLocator | None = None
         self.table: RoutingTable | None = None
         self.health: HealthState | None = None
@@ -158,10 +159,14 @@ class Fleet:
                     ageing_s=admission.ageing_s,
                     max_queue=admission.max_queue,
                 )
-        if settings.edge.enabled:
+        if settings.edge.enabled and self.node is not None:
+            # one engine per node, in its own process (gateway.workers): reached over its socket
+            self.edge = await EdgeClient.start(settings, self.node.engine_socket)
+        elif settings.edge.enabled:
             # imported here, not at the top: the engine needs torch, a relay-only gateway does not
             edge = importlib.import_module("gateway.edge")
             self.edge = await edge.EdgeBackend.start(settings.edge)
+        if settings.edge.enabled:
             self.queues["edge"] = TargetQueue(
                 "edge",
                 settings.edge.max_concurrency or settings.edge.max_num_seqs,

@@ -37,21 +37,30 @@ class Timeouts:
 
 class Origin:
     """Where a pool connects: host and port, TLS context (None for cleartext), and the
-    ``Host`` / ``:authority`` and scheme its requests carry."""
+    ``Host`` / ``:authority`` and scheme its requests carry; or, with ``uds``, the path of a
+    Unix socket (the node's engine process: ``gateway.edge_client``)."""
 
-    __slots__ = ("host", "port", "ssl", "authority", "scheme")
+    __slots__ = ("host", "port", "ssl", "authority", "scheme", "uds")
 
     def __init__(
-        self, host: str, port: int, ssl: ssl_module.SSLContext | None, authority: bytes, scheme: bytes
+        self,
+        host: str,
+        port: int,
+        ssl: ssl_module.SSLContext | None,
+        authority: bytes,
+        scheme: bytes,
+        *,
+        uds: str | None = None,
     ) -> None:
         self.host = host
         self.port = port
         self.ssl = ssl
         self.authority = authority
         self.scheme = scheme
+        self.uds = uds
 
     def __str__(self) -> str:
-        return f"{self.host}:{self.port}"
+        return f"unix:{self.uds}" if self.uds is not None else f"{self.host}:{self.port}"
 
 
 class Body:
@@ -443,13 +452,15 @@ class Pool(Protocol):
 async def connect(
     loop: asyncio.AbstractEventLoop, factory: Callable[[], asyncio.Protocol], origin: Origin, timeout: float
 ) -> asyncio.Protocol:
-    """Open a TCP (+TLS) connection to ``origin`` with ``factory``'s protocol, mapping
-    failures to ``UpstreamConnectError``."""
+    """Open a TCP (+TLS) or Unix socket connection to ``origin`` with ``factory``'s protocol,
+    mapping failures to ``UpstreamConnectError``."""
     host, port, ssl = origin.host, origin.port, origin.ssl
+    if origin.uds is not None:
+        opening = loop.create_unix_connection(factory, origin.uds)
+    else:
+        opening = loop.create_connection(factory, host, port, ssl=ssl, server_hostname=host if ssl else None)
     try:
-        _, protocol = await asyncio.wait_for(
-            loop.create_connection(factory, host, port, ssl=ssl, server_hostname=host if ssl else None), timeout
-        )
+        _, protocol = await asyncio.wait_for(opening, timeout)
     except asyncio.TimeoutError:
         raise UpstreamConnectError(f"connect to {origin} timed out after {timeout:g} s") from None
     except (OSError, ssl_module.SSLError) as exc:

@@ -211,3 +211,64 @@ async def test_a_deadline_that_passes_in_the_queue_is_504(tiny_gguf):
             assert r.status_code == 200
         finally:
             await engine.close()
+
+
+async def test_a_client_that_leaves_while_its_request_waits_has_it_dropped_unrun(tiny_gguf):
+    """Behind a stream holding the only batch slot, a request waits in the engine; its client
+    disconnecting drops it from the queue (streaming or not), it never runs."""
+    engine = make_engine(tiny_gguf, max_num_seqs=1, max_pending_outputs=1)
+    app = create_app(engine, "tiny")
+    await engine.start()
+    try:
+        blocker = engine.generate("Hello", SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+        await blocker.__anext__()
+        for stream in (False, True):
+            left = asyncio.Event()
+            messages = [{"type": "http.request", "body": orjson.dumps({**CHAT, "stream": stream}), "more_body": False}]
+            sent: list[dict] = []
+
+            async def receive() -> dict:
+                if messages:
+                    return messages.pop()
+                await left.wait()
+                return {"type": "http.disconnect"}
+
+            async def send(message: dict) -> None:
+                sent.append(message)
+
+            scope = {
+                "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+                "method": "POST", "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+                "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
+                "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+            }
+            call = asyncio.create_task(app(scope, receive, send))
+            for _ in range(500):
+                if engine.stats().num_waiting == 1:
+                    break
+                await asyncio.sleep(0.01)
+            assert engine.stats().num_waiting == 1
+            left.set()
+            await asyncio.wait_for(call, 5)
+            for _ in range(100):
+                if engine.stats().num_waiting == 0:
+                    break
+                await asyncio.sleep(0.01)
+            stats = engine.stats()
+            assert (stats.num_waiting, stats.num_running) == (0, 1)  # only the blocker
+            assert sent[0]["status"] == 499
+        await blocker.aclose()
+        assert engine.stats().num_requests_finished == 0
+    finally:
+        await engine.close()
+
+
+async def test_validate_only_checks_a_request_without_running_it(tiny_engine):
+    app = create_app(tiny_engine, "tiny")
+    only = {"x-validate-only": "1"}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        r = await client.post("/v1/chat/completions", json=CHAT, headers=only)
+        assert r.status_code == 204
+        r = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 10_000}, headers=only)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    assert tiny_engine.stats().num_requests_finished == 0

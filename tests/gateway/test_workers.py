@@ -6,10 +6,14 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import time
+from urllib.parse import urlsplit
 
 import httpx
+import orjson
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.settings import ListenSettings
 from gateway.workers import bind_slots
@@ -110,3 +114,57 @@ def test_sigterm_lets_a_stream_in_flight_finish(upstreams, gateway_processes):
             rest = list(lines)
     assert "data: [DONE]" in rest
     assert gw.proc.wait(30) == 0
+
+
+EDGE = {"enabled": True, "name": "tiny", "num_kv_blocks": 128, "block_size": 4, "max_num_batched_tokens": 64,
+        "max_num_seqs": 1, "max_concurrency": 4, "dtype": "float32"}
+LONG = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 300, "ignore_eos": True, "stream": True}
+
+
+def gauge(url: str, name: str) -> float:
+    """The largest sample of ``name`` on the node's /metrics (the engine's gauges are the
+    same from every worker)."""
+    values = [
+        sample.value
+        for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=5).text)
+        for sample in family.samples
+        if sample.name == name
+    ]
+    assert values, f"{name} not in /metrics"
+    return max(values)
+
+
+def wait_for(check, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_two_workers_share_one_engine_process_and_a_client_gone_aborts_its_sequence(gateway_processes, tiny_model):
+    gw = gateway_processes({"listen": {"workers": 2}, "edge": {**EDGE, "model": tiny_model}})
+    pids = worker_pids(gw, 2)
+    engines = re.findall(r"edge engine started \(pid (\d+)\)", gw.log.read_text())
+    assert len(engines) == 1 and int(engines[0]) not in pids.values()
+    for _ in range(4):  # new connections: both workers, one engine
+        with httpx.Client(timeout=30) as client:
+            answer = client.post(gw.url + "/v1/chat/completions", json={**LONG, "stream": False, "max_tokens": 4})
+            assert answer.status_code == 200 and answer.json()["model"] == "tiny", answer.text
+    assert gauge(gw.url, "edgegw_edge_finished") == 4
+
+    with httpx.Client(timeout=60) as client, client.stream("POST", gw.url + "/v1/chat/completions", json=LONG) as first:
+        lines = first.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))  # the engine's only slot is taken
+        with socket.create_connection(("127.0.0.1", urlsplit(gw.url).port)) as leaving:
+            body = orjson.dumps(LONG)
+            leaving.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\n\r\n%s" % (len(body), body)
+            )
+            wait_for(lambda: gauge(gw.url, "edgegw_edge_waiting") + gauge(gw.url, "edgegw_edge_running") == 2)
+        # the client left: the engine drops its sequence (from the queue, or mid-stream)
+        wait_for(lambda: gauge(gw.url, "edgegw_edge_waiting") + gauge(gw.url, "edgegw_edge_running") <= 1)
+        tail = [line for line in lines if line.startswith("data: ")][-2:]
+    assert '"finish_reason":"length"' in tail[0] and tail[1] == "data: [DONE]"
+    wait_for(lambda: gauge(gw.url, "edgegw_edge_running") == 0)
+    assert gauge(gw.url, "edgegw_edge_finished") == 5  # the stream read to its end; not the one that left
