@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import importlib
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 
@@ -73,6 +74,8 @@ class Gateway:
         self.metrics.watch(self.fleet.gauges)
         self.metrics.watch(self.slos.gauges)
         self.metrics.watch(self.diagnosis_gauges)
+        if self.node is not None:
+            self.metrics.watch(self.worker_gauges)
         await self.slos.start()
         await self.cache.start()
         self.started = True
@@ -92,6 +95,9 @@ class Gateway:
             kind = "edge" if name == "edge" else "endpoint"
             targets.append({"name": name, "kind": kind, "cluster": clusters.get(name), **self.diagnosis.view(name)})
         return {"time": time.time(), "targets": targets, "slo": self.slos.snapshot()}
+
+    def worker_gauges(self):
+        yield "edgegw_worker_pid", "The process id of the worker (one series per worker of the node).", {}, os.getpid()
 
     def diagnosis_gauges(self):
         for target in self.latency()["targets"]:
@@ -146,7 +152,7 @@ def create_app(settings: Settings, *, metrics: Metrics | None = None, node: Node
         Route("/v1/models", ModelsApp(gateway.fleet), methods=["GET"]),
         Route("/healthz", HealthzApp(), methods=["GET"]),
         Route("/readyz", ReadyzApp(gateway), methods=["GET"]),
-        Route("/metrics", MetricsApp(gateway.metrics), methods=["GET"]),
+        Route("/metrics", MetricsApp(gateway.metrics, node), methods=["GET"]),
         Route("/debug/latency", JSONApp(gateway.latency), methods=["GET"]),
         Route("/dashboard", dashboard, methods=["GET"]),
         Route("/dashboard/feed", dashboard, methods=["GET"]),

@@ -168,3 +168,31 @@ def test_two_workers_share_one_engine_process_and_a_client_gone_aborts_its_seque
     assert '"finish_reason":"length"' in tail[0] and tail[1] == "data: [DONE]"
     wait_for(lambda: gauge(gw.url, "edgegw_edge_running") == 0)
     assert gauge(gw.url, "edgegw_edge_finished") == 5  # the stream read to its end; not the one that left
+
+
+def samples(text: str, name: str) -> list:
+    return [s for family in text_string_to_metric_families(text) for s in family.samples if s.name == name]
+
+
+def test_metrics_counts_the_requests_of_every_worker(upstreams, gateway_processes):
+    fake = upstreams()
+    gw = gateway_processes({"listen": {"workers": 2}, "clusters": [cluster(fake)]})
+    pids = worker_pids(gw, 2)
+    assert ask(gw.url, 20) == [200] * 20  # each on a new connection: the kernel spreads them
+    # each worker's own counts, asked for on new connections until both have answered
+    own: dict[int, float] = {}
+    for _ in range(200):
+        if len(own) == 2:
+            break
+        text = httpx.get(gw.url + "/metrics", headers={"x-edgegw-metrics": "worker"}, timeout=5).text
+        [pid] = samples(text, "edgegw_worker_pid")
+        own[int(pid.value)] = sum(s.value for s in samples(text, "edgegw_requests_total") if s.labels["api"] == "chat")
+    assert set(own) == set(pids.values())
+    assert all(count > 0 for count in own.values()) and sum(own.values()) == 20  # both served some
+    node = httpx.get(gw.url + "/metrics", timeout=5).text  # from whichever worker: the node's totals
+    assert sum(s.value for s in samples(node, "edgegw_requests_total") if s.labels == {"api": "chat", "status": "200", "tenant": "anonymous"}) == 20
+    assert {int(s.value) for s in samples(node, "edgegw_worker_pid")} == set(pids.values())
+    assert {s.labels["worker"] for s in samples(node, "edgegw_in_flight_requests")} == {"0", "1"}
+    assert samples(node, "edgegw_workers_scraped")[0].value == 2
+    e2e = samples(node, "edgegw_e2e_seconds_count")  # histograms are summed too
+    assert sum(s.value for s in e2e) == 20 and all("worker" not in s.labels for s in e2e)
