@@ -7,7 +7,8 @@ The one-way data path, one module per step::
            ─► endpoints.py   CompletionsApp / WebSocketApp: parse (openai.py), then
            ─► pipeline.py    cache plan (caching.py) ─► hit: replay | follow | route ─► open ─► cascade
            ─► dispatch.py    routing's decision; open with fallbacks; hedging (HedgedReply)
-           ─► fleet.py       pools (upstream/), the edge engine (edge.py), probes, discovery;
+           ─► fleet.py       pools (upstream/), the edge engine (edge.py in-process, or
+                             edge_client.py: the node's engine process), probes, discovery;
                              HealthFeed, the one place routing's health is fed
            ─► replies.py     the Reply a request gets, whatever produced it
            ─► relay.py       SSE / WebSocket framing, measured events, keep-alives
@@ -16,7 +17,9 @@ The one-way data path, one module per step::
 ``app.py`` builds it all (``create_app``) and owns the lifespan; ``settings.py`` reads the
 configuration once; ``observability.py`` holds the stage timer and the metrics;
 ``errors.py`` the error tree and its OpenAI-shaped responses; ``forwarding.py`` which
-request headers go upstream; ``cli.py`` the ``edgegw`` command.
+request headers go upstream; ``cli.py`` the ``edgegw`` command; ``workers.py`` the
+supervising parent of ``listen.workers`` relay processes and the node's engine process,
+``node.py`` what a worker knows of its node (its sockets, the node's ``/metrics``).
 
 Vocabulary (used the same way in code, metrics and docs):
 
