@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/relay.py [--quick] [--reps 3] [--no-h2] [--traces] [--json FILE]
     .venv/bin/python bench/relay.py --profile [--profile-seconds 12]      # + py-spy
+    .venv/bin/python bench/relay.py --workers [--reps 3]   # listen.workers 1 against 2, same run
 
 Processes (each started here, stopped here by PID; traffic only on 127.0.0.1):
 
@@ -32,6 +33,12 @@ concurrency 1 and 64. Figures:
 - added latency: gateway figure minus direct figure (of the medians over repetitions).
   The direct baseline for the HTTP/2 variant is hypercorn over HTTP/1.1 (this client
   speaks only HTTP/1.1), so there "added" also contains h2-vs-h1 differences upstream.
+
+``--workers`` runs another scenario instead: two HTTP/1.1 gateways in front of the fast
+upstream, ``listen.workers: 1`` and ``listen.workers: 2``, both allowed on cores 0 and 1
+(the upstream and the load generator stay on core 1), under non-streaming c=64 and SSE c=64
+loads: requests/s of each, the ratio, and the CPU (cores busy) of the gateway's processes,
+the upstream and the load generator during each load.
 
 Every figure is the median over ``--reps`` repetitions (default 3; the box is noisy).
 ``--profile`` afterwards samples the HTTP/1.1 gateway with ``py-spy record --format raw``
@@ -140,8 +147,15 @@ class Child:
         raise RuntimeError(f"{self.name} did not become ready on :{port}{path}")
 
     def cpu(self) -> float:
-        t = self.ps.cpu_times()
-        return t.user + t.system
+        """CPU seconds of the process and of its children (a gateway's workers)."""
+        total = 0.0
+        for proc in [self.ps, *self.ps.children(recursive=True)]:
+            try:
+                t = proc.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            total += t.user + t.system
+        return total
 
     def peak_rss(self) -> int:
         with open(f"/proc/{self.pid}/status") as f:
@@ -161,7 +175,7 @@ class Child:
         self.log.close()
 
 
-def pinned(core: int, argv: list[str]) -> list[str]:
+def pinned(core: int | str, argv: list[str]) -> list[str]:
     return ["taskset", "-c", str(core), *argv] if shutil.which("taskset") else argv
 
 
@@ -463,6 +477,97 @@ async def measure(targets: dict[str, Target], reps: int, scale: float) -> dict:
     return results
 
 
+# -- listen.workers: 1 against 2 ----------------------------------------------------------
+
+WORKER_LOADS = [("json-c64", 64, 6400, False), ("sse-c64", 64, 640, True)]
+
+
+def start_worker_gateways(tmp: str, gateway_root: str) -> tuple[list[Child], Child, dict[str, Target]]:
+    """The fast upstream (core 1), and a gateway with ``listen.workers: 1`` and one with 2,
+    each allowed on both cores."""
+    children: list[Child] = []
+    targets: dict[str, Target] = {}
+    fast_port = free_port()
+    fast = Child("fast-upstream", pinned(OTHER_CORE, [PY, "bench/fast_upstream.py", "--port", str(fast_port), "--tokens", str(TOKENS), "--model", MODEL]), tmp)
+    children.append(fast)
+    fast.wait_http(fast_port, "/health")
+    for workers in (1, 2):
+        key = f"gw-h1-w{workers}"
+        port = free_port()
+        config = gateway_config(fast_port, "http1", port)
+        config["listen"]["workers"] = workers
+        path = os.path.join(tmp, f"{key}.yaml")
+        with open(path, "w") as fh:
+            yaml.safe_dump(config, fh)
+        gw = Child(key, pinned(f"{GATEWAY_CORE},{OTHER_CORE}", [PY, "-m", "gateway", "serve", "--config", path]), tmp, gateway_root)
+        children.append(gw)
+        gw.wait_http(port, "/readyz")
+        deadline = time.monotonic() + 30
+        while workers > 1 and f"edgegw_workers_scraped {workers:.1f}" not in _get(port, "/metrics"):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{key}: its {workers} workers did not all start")
+            time.sleep(0.1)
+        targets[key] = Target(key, port, gw)
+    return children, fast, targets
+
+
+def _get(port: int, path: str) -> str:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        conn.request("GET", path)
+        return conn.getresponse().read().decode()
+    finally:
+        conn.close()
+
+
+async def measure_workers(targets: dict[str, Target], upstream: Child, reps: int, scale: float) -> dict:
+    """results[target][load] -> per-repetition summaries, with the CPU (cores busy) of the
+    gateway, the upstream and this load generator during the load."""
+    me = psutil.Process()
+    results: dict = collections.defaultdict(lambda: collections.defaultdict(list))
+    for rep in range(reps):
+        for target in targets.values():
+            for load, conc, n, stream in WORKER_LOADS:
+                total = max(conc * 2, int(n * scale))
+                gw0, up0, me0 = target.gateway.cpu(), upstream.cpu(), sum(me.cpu_times()[:2])
+                r = await asyncio.wait_for(run_phase(target.port, conc, total, stream, None), 300)
+                s = summarise(r, stream)
+                s["gateway_cores"] = (target.gateway.cpu() - gw0) / r.wall
+                s["upstream_cores"] = (upstream.cpu() - up0) / r.wall
+                s["loadgen_cores"] = (sum(me.cpu_times()[:2]) - me0) / r.wall
+                results[target.key][load].append(s)
+                print(
+                    f"rep {rep + 1} {target.key:9} {load:8} n={s['requests']:5} err={s['errors']} {s['rps']:8.0f}/s "
+                    f"cores: gateway {s['gateway_cores']:.2f} upstream {s['upstream_cores']:.2f} load generator {s['loadgen_cores']:.2f}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    return results
+
+
+def report_workers(results: dict, command: str, reps: int, revision: str) -> str:
+    out = [
+        f"Command: `{command}`  ",
+        f"Gateway code: {revision}  ",
+        f"Medians over {reps} repetition(s). Both gateways may use cores {GATEWAY_CORE} and {OTHER_CORE}; the fast "
+        f"upstream and the load generator are pinned to core {OTHER_CORE}. CPU in cores busy during the load.",
+        "",
+        "| load | workers | req/s (streams/s) | × 1 worker | gateway CPU | upstream CPU | load generator CPU | failed |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for load, _conc, _n, _stream in WORKER_LOADS:
+        one = med(results, "gw-h1-w1", load, "rps")
+        for workers in (1, 2):
+            key = f"gw-h1-w{workers}"
+            rps = med(results, key, load, "rps")
+            failed = sum(s["errors"] for s in results.get(key, {}).get(load, []))
+            out.append(
+                f"| {load} | {workers} | {f(rps, 0)} | {f(rps / one, 2)} | {f(med(results, key, load, 'gateway_cores'), 2)} "
+                f"| {f(med(results, key, load, 'upstream_cores'), 2)} | {f(med(results, key, load, 'loadgen_cores'), 2)} | {failed} |"
+            )
+    return "\n".join(out)
+
+
 def med(results: dict, target: str, load: str, key: str) -> float:
     values = [s[key] for s in results.get(target, {}).get(load, []) if key in s and s[key] == s[key]]
     return statistics.median(values) if values else float("nan")
@@ -681,6 +786,7 @@ def main() -> int:
     parser.add_argument("--profile", action="store_true", help="then py-spy the h1 gateway under json c=16 and SSE c=64")
     parser.add_argument("--profile-seconds", type=float, default=12)
     parser.add_argument("--profile-only", action="store_true", help="skip the measurements, only profile")
+    parser.add_argument("--workers", action="store_true", help="instead: listen.workers 1 against 2 (req/s and CPU)")
     parser.add_argument(
         "--gateway-root",
         metavar="DIR",
@@ -715,6 +821,19 @@ def main() -> int:
             with_h2 = False
     tmp = tempfile.mkdtemp(prefix="edgegw-relay-")
     children: list[Child] = []
+    if args.workers:
+        try:
+            children, upstream, targets = start_worker_gateways(tmp, gateway_root)
+            results = runner(measure_workers(targets, upstream, reps, scale))
+            print(report_workers(results, command, reps, revision))
+            if args.json:
+                with open(args.json, "w") as fh:
+                    json.dump({"command": command, "reps": reps, "results": results}, fh, indent=1)
+        finally:
+            for c in reversed(children):
+                c.stop()
+            shutil.rmtree(tmp, ignore_errors=True)
+        return 0
     try:
         children, targets = start_processes(tmp, with_h2, gateway_root, args.traces and not args.profile_only)
         if not args.profile_only:
