@@ -9,7 +9,7 @@ or dropped before its first token still gets its own status code.  The request h
 ``x-latency-budget-ms`` sets the request's deadline (a request not started within it gets
 504 ``deadline_exceeded``).  A client that leaves while its request waits for its first token
 (or, non-streaming, for its whole answer) has its sequence dropped at once, as one that leaves
-mid-stream does.  With ``x-validate-only: 1`` a completion request is only checked: 204 if the
+mid-stream does.  ``x-request-id`` (a gateway's) becomes the response's ``id``.  With ``x-validate-only: 1`` a completion request is only checked: 204 if the
 engine would take it, else the error it would get.  A thin Starlette app over ``OpenAIServing``.
 """
 
@@ -117,7 +117,7 @@ def create_app(engine: Engine, model_name: str | None = None) -> Starlette:
                 return _error_response(exc)
             if request.headers.get(VALIDATE_HEADER) == "1":
                 return Response(status_code=204)
-            request_id = f"{prefix}{uuid.uuid4().hex[:24]}{next(counter)}"
+            request_id = request.headers.get("x-request-id") or f"{prefix}{uuid.uuid4().hex[:24]}{next(counter)}"
             if not prepared.stream:
                 try:
                     body = await _unless_gone(request, serving.complete(prepared, request_id))

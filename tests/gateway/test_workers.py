@@ -151,6 +151,11 @@ def test_two_workers_share_one_engine_process_and_a_client_gone_aborts_its_seque
             answer = client.post(gw.url + "/v1/chat/completions", json={**LONG, "stream": False, "max_tokens": 4})
             assert answer.status_code == 200 and answer.json()["model"] == "tiny", answer.text
     assert gauge(gw.url, "edgegw_edge_finished") == 4
+    asked = httpx.post(gw.url + "/v1/chat/completions", json={**LONG, "stream": False, "max_tokens": 2}, headers={"x-request-id": "req-42"}, timeout=30)
+    assert asked.json()["id"] == "req-42"  # the gateway's request id, as in-process
+    for body, param in [({"temperature": -1}, "temperature"), ({"model": "auto", "max_tokens": 10**9}, "max_tokens")]:
+        refused = httpx.post(gw.url + "/v1/chat/completions", json={**LONG, **body}, timeout=30)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
 
     with httpx.Client(timeout=60) as client, client.stream("POST", gw.url + "/v1/chat/completions", json=LONG) as first:
         lines = first.iter_lines()
@@ -167,7 +172,7 @@ def test_two_workers_share_one_engine_process_and_a_client_gone_aborts_its_seque
         tail = [line for line in lines if line.startswith("data: ")][-2:]
     assert '"finish_reason":"length"' in tail[0] and tail[1] == "data: [DONE]"
     wait_for(lambda: gauge(gw.url, "edgegw_edge_running") == 0)
-    assert gauge(gw.url, "edgegw_edge_finished") == 5  # the stream read to its end; not the one that left
+    assert gauge(gw.url, "edgegw_edge_finished") == 6  # the stream read to its end; not the one that left
 
 
 def samples(text: str, name: str) -> list:
@@ -196,3 +201,20 @@ def test_metrics_counts_the_requests_of_every_worker(upstreams, gateway_processe
     assert samples(node, "edgegw_workers_scraped")[0].value == 2
     e2e = samples(node, "edgegw_e2e_seconds_count")  # histograms are summed too
     assert sum(s.value for s in e2e) == 20 and all("worker" not in s.labels for s in e2e)
+
+
+def test_a_killed_engine_process_is_replaced_and_the_workers_reach_the_new_one(gateway_processes, tiny_model):
+    gw = gateway_processes({"listen": {"workers": 2}, "edge": {**EDGE, "model": tiny_model}})
+    worker_pids(gw, 2)
+    [engine] = re.findall(r"edge engine started \(pid (\d+)\)", gw.log.read_text())
+    os.kill(int(engine), signal.SIGKILL)  # our engine process, by its pid
+    wait_for(lambda: len(re.findall(r"edge engine started \(pid (\d+)\)", gw.log.read_text())) == 2, timeout=60)
+    statuses = []
+
+    def answered() -> bool:
+        with httpx.Client(timeout=30) as client:  # a new connection: either worker
+            statuses.append(client.post(gw.url + "/v1/chat/completions", json={**LONG, "stream": False, "max_tokens": 2}).status_code)
+        return statuses[-3:] == [200] * 3
+
+    wait_for(answered, timeout=60)
+    assert set(statuses) <= {200, 503}  # while it reloads: 503 with Retry-After, never a hang or a 500
