@@ -16,6 +16,9 @@ of the node's one edge engine process.
   (``gateway.cli.uvicorn_config``);
 - a worker (or the engine) that exits is started again after a back-off that doubles
   while it keeps dying young (0.5 s up to 10 s), each time logged with its exit status;
+  but a worker whose start-up failed (uvicorn's exit status 3: its lifespan raised, e.g. a
+  configured GeoIP database that cannot be opened) stops the node with that status, as a
+  single process would exit;
 - SIGTERM or SIGINT: every worker is sent SIGTERM and drains (uvicorn's graceful shutdown,
   up to ``limits.drain_timeout_s``), then the engine; the parent exits 0. A child still
   running well past the drain time is killed.
@@ -40,6 +43,8 @@ import tempfile
 import time
 from collections.abc import Callable
 from multiprocessing.connection import wait
+
+from uvicorn.config import STARTUP_FAILURE
 
 from gateway.node import Node
 from gateway.settings import Settings
@@ -196,9 +201,10 @@ class Supervisor:
         workers = settings.listen.workers
         engine = None
         if settings.edge.enabled:
-            engine = _Child("edge engine", run_engine, (settings, Node(0, workers, rundir).engine_socket))
+            path = Node(0, workers, rundir).engine_socket
+            engine = _Child("edge engine", run_engine, (settings, path))
             engine.start(self.context)
-            if not self._wait_for_engine(engine, Node(0, workers, rundir).engine_socket):
+            if not self._wait_for_engine(engine, path):
                 self._terminate([engine])
                 return 1
         children = [
@@ -208,6 +214,7 @@ class Supervisor:
             child.start(self.context)
         logger.info("edgegw: %d worker(s) on http://%s:%d", workers, settings.listen.host, port)
         everyone = [*children, *([engine] if engine else [])]
+        status = 0
         while not self._stopping:
             now = time.monotonic()
             for child in everyone:
@@ -215,6 +222,10 @@ class Supervisor:
                     if child.restart_at is not None and now >= child.restart_at:
                         child.start(self.context)
                 elif not child.process.is_alive():
+                    if child.process.exitcode == STARTUP_FAILURE:  # its lifespan failed: so would the next one's
+                        logger.error("%s could not start (see above): stopping the node", child.name)
+                        self._stopping, status = True, STARTUP_FAILURE
+                        break
                     child.exited(now)
             sentinels = [c.process.sentinel for c in everyone if c.process is not None]
             due = [c.restart_at for c in everyone if c.restart_at is not None]
@@ -225,7 +236,7 @@ class Supervisor:
         self._terminate(children)
         if engine is not None:
             self._terminate([engine])
-        return 0
+        return status
 
     def _wait_for_engine(self, engine: _Child, path: str) -> bool:
         deadline = time.monotonic() + _ENGINE_START_S

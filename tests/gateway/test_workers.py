@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.settings import ListenSettings
 from gateway.workers import bind_slots
-from tests.conftest import cluster
+from tests.conftest import GatewayProcess, cluster
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -218,3 +218,14 @@ def test_a_killed_engine_process_is_replaced_and_the_workers_reach_the_new_one(g
 
     wait_for(answered, timeout=60)
     assert set(statuses) <= {200, 503}  # while it reloads: 503 with Retry-After, never a hang or a 500
+
+
+def test_workers_that_cannot_start_stop_the_node_instead_of_restarting_for_ever(tmp_path):
+    """A lifespan that fails (a configured GeoIP database that is not there) fails the same
+    way in every worker: the parent exits with uvicorn's start-up failure status."""
+    gw = GatewayProcess({"listen": {"workers": 2}, "cache": {"backend": "off"}, "routing": {"geoip_db": str(tmp_path / "none.mmdb")}}, tmp_path)
+    try:
+        assert gw.proc.wait(60) == 3
+    finally:
+        gw.stop()
+    assert "could not start (see above): stopping the node" in gw.log.read_text()
