@@ -388,7 +388,7 @@ class Settings(_Model):
     listen: ListenSettings = ListenSettings()  # where the gateway serves
     limits: LimitSettings = LimitSettings()  # body sizes, buffers, timeouts, retries
     clusters: tuple[ClusterSettings, ...] = ()  # upstream inference servers
-    edge: EdgeSettings = EdgeSettings()  # the in-process small-model engine
+    edge: EdgeSettings = EdgeSettings()  # the small-model engine (in-process, or in a process of its own)
     forward_headers: ForwardHeaderSettings = ForwardHeaderSettings()  # request headers passed upstream
     auth: AuthSettings = AuthSettings()  # API keys
     tenants: tuple[TenantSettings, ...] = ()  # who may ask, how much, and how urgently

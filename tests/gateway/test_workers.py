@@ -3,6 +3,7 @@ on one port (real processes, real sockets on 127.0.0.1)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -18,6 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.settings import ListenSettings
 from gateway.workers import bind_slots
 from tests.conftest import GatewayProcess, cluster
+from tests.fakes import free_port
+from tests.fakes_h3 import client_pool, fetch, free_udp_port
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -229,3 +232,31 @@ def test_workers_that_cannot_start_stop_the_node_instead_of_restarting_for_ever(
     finally:
         gw.stop()
     assert "could not start (see above): stopping the node" in gw.log.read_text()
+
+
+async def test_every_worker_serves_https_and_http3_on_the_shared_ports(upstreams, gateway_processes, certificate):
+    fake = upstreams()
+    certfile, keyfile = certificate
+    tls_port, h3_port = free_port(), free_udp_port()
+    gw = gateway_processes({
+        "listen": {
+            "workers": 2,
+            "tls": {"port": tls_port, "certfile": certfile, "keyfile": keyfile},
+            "http3": {"port": h3_port, "certfile": certfile, "keyfile": keyfile},
+        },
+        "clusters": [cluster(fake)],
+    })
+    worker_pids(gw, 2)
+    for _ in range(100):  # both workers have their listeners up once both are scraped
+        if "edgegw_workers_scraped 2.0" in httpx.get(gw.url + "/metrics", timeout=5).text:
+            break
+        await asyncio.sleep(0.05)
+    for kind, port in (("h2", tls_port), ("h3", h3_port)):
+        for _ in range(6):  # a new connection each time (and a new source port): both workers' listeners
+            pool = client_pool(kind, port, certfile)
+            try:
+                status, _, body = await fetch(pool, "/v1/chat/completions", orjson.dumps(CHAT))
+            finally:
+                await pool.aclose()
+            assert status == 200 and orjson.loads(body)["choices"], (kind, body)
+    assert "address already in use" not in gw.log.read_text().lower()
