@@ -137,6 +137,11 @@ def gauge(url: str, name: str) -> float:
     return max(values)
 
 
+def loads_torch(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as maps:
+        return "libtorch" in maps.read()
+
+
 def wait_for(check, timeout: float = 20) -> None:
     deadline = time.monotonic() + timeout
     while not check():
@@ -149,6 +154,8 @@ def test_two_workers_share_one_engine_process_and_a_client_gone_aborts_its_seque
     pids = worker_pids(gw, 2)
     engines = re.findall(r"edge engine started \(pid (\d+)\)", gw.log.read_text())
     assert len(engines) == 1 and int(engines[0]) not in pids.values()
+    assert not any(loads_torch(pid) for pid in pids.values())  # the model and torch live in the engine only
+    assert loads_torch(int(engines[0]))
     for _ in range(4):  # new connections: both workers, one engine
         with httpx.Client(timeout=30) as client:
             answer = client.post(gw.url + "/v1/chat/completions", json={**LONG, "stream": False, "max_tokens": 4})
