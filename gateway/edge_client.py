@@ -47,6 +47,7 @@ logger = logging.getLogger("edgegw.edge")
 
 STATS_INTERVAL_S = 0.05
 STALE_AFTER_S = 2.0
+READ_TIMEOUT_S = 300.0  # a sequence's tokens come one step of the whole batch apart; prefill may queue
 _PATHS = {"chat": b"/v1/chat/completions", "completion": b"/v1/completions"}
 _JSON_BODY = (b"content-type", b"application/json")
 _VALIDATE = (b"x-validate-only", b"1")
@@ -109,8 +110,8 @@ class EdgeClient:
         self.path = path
         self.model_name = edge.served_name
         self._limits = limits
-        self._read_timeout = 300.0  # a sequence's tokens are as far apart as a step of the whole batch
-        timeouts = Timeouts(connect=3.0, read=self._read_timeout, write=30.0, pool=limits.drain_timeout_s or 5.0)
+        self._read_timeout = READ_TIMEOUT_S
+        timeouts = Timeouts(connect=3.0, read=READ_TIMEOUT_S, write=30.0, pool=5.0)
         origin = Origin("localhost", 0, None, b"localhost", b"http", uds=path)
         most = (edge.max_concurrency or edge.max_num_seqs) + 8  # the gateway's queue holds the rest
         self.pool = H1Pool(origin, max_connections=most, warm_connections=2, timeouts=timeouts, high_water=limits.stream_buffer_bytes)
