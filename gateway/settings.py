@@ -102,8 +102,8 @@ class ListenSettings(_Model):
     @field_validator("workers")
     @classmethod
     def _resolve_workers(cls, value: int | str) -> int:
-        if value == "auto":
-            return len(os.sched_getaffinity(0))
+        if value == "auto":  # the cores this process may run on (its CPU affinity), not the machine's
+            return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         if value < 1:
             raise ValueError("must be at least 1, or auto")
         return value
