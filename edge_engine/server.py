@@ -9,7 +9,10 @@ or dropped before its first token still gets its own status code.  The request h
 ``x-latency-budget-ms`` sets the request's deadline (a request not started within it gets
 504 ``deadline_exceeded``).  A client that leaves while its request waits for its first token
 (or, non-streaming, for its whole answer) has its sequence dropped at once, as one that leaves
-mid-stream does.  ``x-request-id`` (a gateway's) becomes the response's ``id``.  With ``x-validate-only: 1`` a completion request is only checked: 204 if the
+mid-stream does.  ``x-request-id`` (a gateway's) becomes the response's ``id``.  Asked with
+``x-engine-stages: 1``, where the answer's time went inside the engine comes with it: the
+header ``x-engine-stages: queue=S;prefill=S;decode=S`` (seconds) on a whole answer, the
+comment ``: x-engine-stages queue=S;...`` just before a stream's ``data: [DONE]``.  With ``x-validate-only: 1`` a completion request is only checked: 204 if the
 engine would take it, else the error it would get.  A thin Starlette app over ``OpenAIServing``.
 """
 
@@ -36,6 +39,7 @@ from starlette.routing import Route
 from .config import EngineConfig
 from .engine import Engine
 from .errors import EngineError, EngineOverloadedError, InvalidRequestError
+from .sequence import StageTimes
 from .serving import OpenAIServing
 
 __all__ = ["create_app", "main"]
@@ -52,6 +56,15 @@ def _error_response(exc: EngineError) -> Response:
 
 LATENCY_BUDGET_HEADER = "x-latency-budget-ms"
 VALIDATE_HEADER = "x-validate-only"
+STAGES_HEADER = "x-engine-stages"
+
+
+def _stages(times: StageTimes) -> str:
+    return f"queue={times.queue:.6f};prefill={times.prefill:.6f};decode={times.decode:.6f}"
+
+
+def _stage_header(times: StageTimes | None) -> dict[str, str]:
+    return {} if times is None else {STAGES_HEADER: _stages(times)}
 _GONE = object()
 
 
@@ -118,12 +131,16 @@ def create_app(engine: Engine, model_name: str | None = None) -> Starlette:
             if request.headers.get(VALIDATE_HEADER) == "1":
                 return Response(status_code=204)
             request_id = request.headers.get("x-request-id") or f"{prefix}{uuid.uuid4().hex[:24]}{next(counter)}"
+            wants_stages = request.headers.get(STAGES_HEADER) == "1"
             if not prepared.stream:
                 try:
                     body = await _unless_gone(request, serving.complete(prepared, request_id))
                 except EngineError as exc:
                     return _error_response(exc)
-                return Response(status_code=499) if body is _GONE else Response(body, media_type="application/json")
+                if body is _GONE:
+                    return Response(status_code=499)
+                headers = _stage_header(prepared.times) if wants_stages else {}
+                return Response(body, headers=headers, media_type="application/json")
 
             chunks = serving.stream(prepared, request_id)
             try:  # wait for the first chunk before the headers: a refusal keeps its status code
@@ -145,6 +162,8 @@ def create_app(engine: Engine, model_name: str | None = None) -> Starlette:
                             yield b"data: " + chunk + b"\n\n"
                     except EngineError as exc:  # headers are gone: report in-band
                         yield b"data: " + orjson.dumps(exc.to_dict()) + b"\n\n"
+                if wants_stages and prepared.times is not None:
+                    yield b": " + STAGES_HEADER.encode() + b" " + _stages(prepared.times).encode() + b"\n\n"
                 yield b"data: [DONE]\n\n"
 
             return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

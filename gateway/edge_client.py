@@ -13,6 +13,8 @@ pool over that Unix socket, as an ordinary upstream:
 - deadlines: what is left of the request's budget goes as ``x-latency-budget-ms``; the
   engine drops a request still waiting when it passes (504 ``deadline_exceeded``);
 - priority: the tenant's class goes in the body's ``priority``, as in-process;
+- the engine's own stages (queue, prefill, decode) come back with the answer, as
+  ``Reply.stages``, for the stage histogram, the access log and the trace;
 - routing's view of the engine (queue depth, KV blocks, recent TTFT/TPOT): ``GET /stats``
   polled every ``STATS_INTERVAL_S`` on a connection of its own; the engine counts as down
   when it has not answered for ``STALE_AFTER_S``.
@@ -28,6 +30,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import re
 import time
 from collections.abc import Iterator
 
@@ -52,6 +55,9 @@ _PATHS = {"chat": b"/v1/chat/completions", "completion": b"/v1/completions"}
 _JSON_BODY = (b"content-type", b"application/json")
 _VALIDATE = (b"x-validate-only", b"1")
 _MAX_ERROR_BYTES = 64 * 1024
+_STAGES_HEADER = b"x-engine-stages"
+_STAGES_COMMENT = b": x-engine-stages "
+_STAGES_EVENT = re.compile(rb"(?m)^: x-engine-stages ([^\r\n]*)\r?\n\r?\n")
 
 
 def _error(status: int, body: bytes, retry_after: bytes | None) -> GatewayError:
@@ -72,24 +78,49 @@ def _error(status: int, body: bytes, retry_after: bytes | None) -> GatewayError:
     return UpstreamError(message, code=code or "engine_error")
 
 
+def _stages(value: bytes | None) -> tuple[tuple[str, float], ...]:
+    """``queue=S;prefill=S;decode=S`` (the engine server's ``x-engine-stages``) as ``Reply.stages``."""
+    if not value:
+        return ()
+    try:
+        return tuple((f"engine_{name.decode().strip()}", float(seconds)) for name, _, seconds in (p.partition(b"=") for p in value.split(b";")))
+    except ValueError:
+        return ()
+
+
 class EngineStreamReply(Reply):
     """The engine process's answer, relayed from its HTTP response as it arrives. Closing it
-    early (``aclose``) closes the connection, which drops the engine's sequence."""
+    early (``aclose``) closes the connection, which drops the engine's sequence. The engine's
+    stage times (``stages``) come in a header of a whole answer, or in a comment just before
+    a stream's end, which is taken out of the stream."""
 
     label = "edge"
 
     def __init__(self, response: UpstreamResponse, stream: bool, ping: float, read_timeout: float, max_event: int, limit: int) -> None:
         self.response = response
         self.headers = [SSE if stream else JSON]
+        self.stages = ()
         self._reader = EventReader(response.body, ping, read_timeout, max_event)
         self._timeout = read_timeout
         self._limit = limit
 
     async def read_body(self) -> bytes:
-        return await self.response.body.read_all(self._timeout, self._limit)
+        body = await self.response.body.read_all(self._timeout, self._limit)
+        self.stages = _stages(self.response.header(_STAGES_HEADER))
+        return body
 
-    def next_events(self):
-        return self._reader.next()
+    async def next_events(self) -> bytes | None:
+        while True:
+            events = await self._reader.next()
+            if not events or _STAGES_COMMENT not in events:
+                return events
+            match = _STAGES_EVENT.search(events)
+            if match is None:
+                return events
+            self.stages = _stages(match.group(1))
+            events = events[: match.start()] + events[match.end() :]
+            if events:
+                return events
 
     @property
     def in_event(self) -> bool:
@@ -196,7 +227,7 @@ class EdgeClient:
         """Send the request to the engine; its reply once the engine has its first token (or,
         not streaming, its answer). ``rank`` and ``deadline`` as ``EdgeBackend.reply``."""
         data = {**data, "priority": "interactive" if rank == 0 else "batch"}
-        headers = [(b"x-request-id", request_id.encode())]
+        headers = [(b"x-request-id", request_id.encode()), (_STAGES_HEADER, b"1")]
         if deadline is not None:
             left = max(0.001, deadline - time.monotonic())
             headers.append((b"x-latency-budget-ms", b"%d" % max(1, math.floor(left * 1000))))

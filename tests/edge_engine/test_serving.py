@@ -272,3 +272,17 @@ async def test_validate_only_checks_a_request_without_running_it(tiny_engine):
         r = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 10_000}, headers=only)
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
     assert tiny_engine.stats().num_requests_finished == 0
+
+
+async def test_the_engines_stages_come_with_the_answer(tiny_engine):
+    app = create_app(tiny_engine, "tiny")
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        asked = {"x-engine-stages": "1"}
+        whole = await client.post("/v1/chat/completions", json=CHAT, headers=asked)
+        stream = await client.post("/v1/chat/completions", json={**CHAT, "stream": True}, headers=asked)
+        plain = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    assert "x-engine-stages" not in plain.text  # only when asked: other clients see plain OpenAI SSE
+    names = [part.split("=")[0] for part in whole.headers["x-engine-stages"].split(";")]
+    assert names == ["queue", "prefill", "decode"]
+    events = [event for event in stream.text.split("\n\n") if event]
+    assert events[-2].startswith(": x-engine-stages queue=") and events[-1] == "data: [DONE]"

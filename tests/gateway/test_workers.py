@@ -179,8 +179,14 @@ def test_two_workers_share_one_engine_process_and_a_client_gone_aborts_its_seque
             wait_for(lambda: gauge(gw.url, "edgegw_edge_waiting") + gauge(gw.url, "edgegw_edge_running") == 2)
         # the client left: the engine drops its sequence (from the queue, or mid-stream)
         wait_for(lambda: gauge(gw.url, "edgegw_edge_waiting") + gauge(gw.url, "edgegw_edge_running") <= 1)
-        tail = [line for line in lines if line.startswith("data: ")][-2:]
+        rest = list(lines)
+        tail = [line for line in rest if line.startswith("data: ")][-2:]
     assert '"finish_reason":"length"' in tail[0] and tail[1] == "data: [DONE]"
+    assert not any("x-engine-stages" in line for line in rest)  # the engine's stages stay in the gateway
+    node = httpx.get(gw.url + "/metrics", timeout=5).text
+    for stage in ("engine_queue", "engine_prefill", "engine_decode"):  # from whole answers and the stream
+        counted = [s.value for s in samples(node, "edgegw_stage_seconds_count") if s.labels == {"stage": stage, "target_kind": "edge"}]
+        assert counted and counted[0] >= 6, (stage, counted)
     wait_for(lambda: gauge(gw.url, "edgegw_edge_running") == 0)
     assert gauge(gw.url, "edgegw_edge_finished") == 6  # the stream read to its end; not the one that left
 
