@@ -206,7 +206,7 @@ class Supervisor:
             engine.start(self.context)
             if not self._wait_for_engine(engine, path):
                 self._terminate([engine])
-                return 1
+                return 0 if self._stopping else 1  # asked to stop while it loaded: a clean exit
         children = [
             _Child(f"worker {i}", self.worker, (settings, Node(i, workers, rundir), slots[i])) for i in range(workers)
         ]
