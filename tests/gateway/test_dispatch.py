@@ -346,9 +346,11 @@ def test_two_equal_tenants_flooding_one_target_get_equal_shares(upstreams, gatew
                 if client.post(gw.url + "/v1/chat/completions", json=chat_body()).status_code == 200:
                     done[name] += 1
 
-    with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        # b sends three times as many requests at once: it still gets only its equal share
-        futures = [pool.submit(flood, "a") for _ in range(4)] + [pool.submit(flood, "b") for _ in range(12)]
+    with concurrent.futures.ThreadPoolExecutor(18) as pool:
+        # b sends twice as many requests at once: it still gets only its equal share (a keeps
+        # six in flight for two slots, so that it stays backlogged even when its client
+        # threads are slow to send the next one on a loaded machine)
+        futures = [pool.submit(flood, "a") for _ in range(6)] + [pool.submit(flood, "b") for _ in range(12)]
         for f in futures:
             f.result()
     assert done["a"] > 20, done
