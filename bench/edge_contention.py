@@ -135,7 +135,12 @@ def scenario(name: str, tenants: bool, streams: int, asks: int, workdir: str) ->
     try:
         wait_port(port, proc, timeout=300)
         deadline = time.monotonic() + 300
-        while httpx.get(url + "/readyz").status_code != 200 and time.monotonic() < deadline:
+        while time.monotonic() < deadline:  # connections may wait while the engine loads
+            try:
+                if httpx.get(url + "/readyz", timeout=60).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
             time.sleep(0.2)
         headers = {"x-latency-budget-ms": "1000"}
         if tenants:

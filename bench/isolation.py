@@ -108,7 +108,12 @@ def measure(process: bool, upstream: int, args, workdir: str) -> dict:
     try:
         wait_port(port, gw, timeout=300)
         deadline = time.monotonic() + 300
-        while httpx.get(url + "/readyz").status_code != 200 and time.monotonic() < deadline:
+        while time.monotonic() < deadline:  # connections may wait while the engine loads
+            try:
+                if httpx.get(url + "/readyz", timeout=60).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
             time.sleep(0.2)
         asyncio.run(relay_phase(url, args.concurrency, 2))  # warm-up: connections, caches
         idle = asyncio.run(relay_phase(url, args.concurrency, args.seconds))
