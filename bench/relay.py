@@ -3,6 +3,7 @@
     .venv/bin/python bench/relay.py [--quick] [--reps 3] [--no-h2] [--traces] [--json FILE]
     .venv/bin/python bench/relay.py --profile [--profile-seconds 12]      # + py-spy
     .venv/bin/python bench/relay.py --workers [--reps 3]   # listen.workers 1 against 2, same run
+    .venv/bin/python bench/relay.py --nginx [--no-h2]      # + nginx as a reference proxy (apt-get install nginx)
 
 Processes (each started here, stopped here by PID; traffic only on 127.0.0.1):
 
@@ -15,6 +16,11 @@ Processes (each started here, stopped here by PID; traffic only on 127.0.0.1):
   hypercorn (``pool_size: 128, warm_connections: 8``); with ``--traces`` also a third,
   as the first but tracing every request (OpenTelemetry, ``sample_ratio: 1``) with its
   spans exported over OTLP/HTTP to a sink in the fast upstream (``POST /v1/traces``);
+- with ``--nginx``, nginx (``apt-get install nginx``: the bench's own set-up, not a
+  dependency of the project) as a reference proxy in front of the fast upstream, pinned to
+  core 0 like the gateway: one worker, ``proxy_buffering off``, HTTP/1.1 keep-alive to the
+  upstream (``keepalive 128``), no access log; its added latency and CPU are reported
+  beside the gateway's and as the gateway's ratio to them;
 - the load generator is this process, pinned to core 1 (with the upstreams): a raw
   asyncio (uvloop) + httptools keep-alive HTTP/1.1 client, a few tens of µs per request.
 
@@ -414,7 +420,41 @@ def gateway_config(upstream_port: int, protocol: str, port: int, traces: bool = 
     return config
 
 
-def start_processes(tmp: str, with_h2: bool, gateway_root: str, with_traces: bool = False) -> tuple[list[Child], dict[str, Target]]:
+def nginx_config(upstream_port: int, port: int, tmp: str) -> str:
+    """A reference proxy as a careful operator would set one up for SSE: one worker, no
+    response buffering, kept-alive HTTP/1.1 connections to the upstream, no access log."""
+    return f"""
+daemon off;
+master_process on;
+worker_processes 1;
+pid {tmp}/nginx.pid;
+error_log {tmp}/nginx-error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+    access_log off;
+    client_body_temp_path {tmp}/nginx-body;
+    proxy_temp_path {tmp}/nginx-proxy;
+    fastcgi_temp_path {tmp}/nginx-fastcgi;
+    uwsgi_temp_path {tmp}/nginx-uwsgi;
+    scgi_temp_path {tmp}/nginx-scgi;
+    upstream bench {{ server 127.0.0.1:{upstream_port}; keepalive 128; }}
+    server {{
+        listen 127.0.0.1:{port};
+        location / {{
+            proxy_pass http://bench;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_request_buffering off;
+        }}
+    }}
+}}
+"""
+
+
+def start_processes(
+    tmp: str, with_h2: bool, gateway_root: str, with_traces: bool = False, nginx: str | None = None
+) -> tuple[list[Child], dict[str, Target]]:
     children: list[Child] = []
     targets: dict[str, Target] = {}
 
@@ -436,6 +476,14 @@ def start_processes(tmp: str, with_h2: bool, gateway_root: str, with_traces: boo
         hc.wait_http(hc_port, "/health")
         targets["direct-hc"] = Target("direct-hc", hc_port, None)
         gw_specs.append(("gw-h2", hc_port, "http2", False))
+    if nginx is not None:
+        port = free_port()
+        conf = os.path.join(tmp, "nginx.conf")
+        with open(conf, "w") as f:
+            f.write(nginx_config(fast_port, port, tmp))
+        proxy = child("nginx-h1", GATEWAY_CORE, [nginx, "-p", tmp, "-c", conf])
+        proxy.wait_http(port, "/health")
+        targets["nginx-h1"] = Target("nginx-h1", port, proxy)
     for key, upstream_port, protocol, traces in gw_specs:
         port = free_port()
         path = os.path.join(tmp, f"{key}.yaml")
@@ -589,6 +637,8 @@ def report(results: dict, peaks: dict[str, int], command: str, reps: int, revisi
         variants.append(("h1 + traces", "direct-h1", "gw-h1-traced", "as h1, every request traced, OTLP/HTTP export"))
     if "gw-h2" in results:
         variants.append(("h2", "direct-hc", "gw-h2", "HTTP/2 (h2c) → hypercorn bench/fakes.py; direct = hypercorn over h1"))
+    if "nginx-h1" in results:
+        variants.append(("nginx (reference)", "direct-h1", "nginx-h1", "nginx, one worker, proxy_buffering off"))
     out.append(f"Command: `{command}`  ")
     out.append(f"Gateway code: {revision}  ")
     out.append(
@@ -640,6 +690,8 @@ def report(results: dict, peaks: dict[str, int], command: str, reps: int, revisi
     out.append("| target | hop | value | limit | met |")
     out.append("|---|---|---:|---:|:---:|")
     for tag, direct, gw, _ in variants:
+        if gw == "nginx-h1":
+            continue  # the reference, not held to the gateway's targets
         cpu_req = [med(results, gw, f"json-{n}", "cpu_ms_per_req") for n, _, _ in NONSTREAM]
         cpu_evt = [med(results, gw, f"sse-{x[0]}", "cpu_us_per_event") for x in STREAM]
         rows = []
@@ -655,12 +707,38 @@ def report(results: dict, peaks: dict[str, int], command: str, reps: int, revisi
         for label, value, limit, ok in rows:
             out.append(f"| {label} | {tag} | {value} | {limit} | {'yes' if ok else '**no**'} |")
     out.append("")
+    if "nginx-h1" in results:
+        out += against_nginx(results)
     out.append(
         "Gateway peak RSS (VmHWM): "
         + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in peaks.items())
         + f". Failed requests (bad status or incomplete stream), all runs: {errors}."
     )
     return "\n".join(out)
+
+
+def against_nginx(results: dict) -> list[str]:
+    """The HTTP/1.1 gateway's added latency and CPU as multiples of nginx's, load by load."""
+    out = ["**Against nginx** (the same loads through nginx; ratio = gateway / nginx)", ""]
+    out.append("| load | nginx added p50 / p99 ms | gateway added p50 / p99 ms | ratio p50 / p99 | nginx CPU | gateway CPU | CPU ratio |")
+    out.append("|---|---:|---:|---:|---:|---:|---:|")
+    loads = [(f"json-{n}", f"JSON c={c}", "e2e", "cpu_ms_per_req", "ms/req") for n, c, _ in NONSTREAM]
+    loads += [
+        (f"sse-{n}", f"SSE c={c}" + (f", {1 / d:.0f} tok/s" if d else ""), "ttft", "cpu_us_per_event", "µs/event")
+        for n, c, _, d in STREAM
+    ]
+    for load, label, metric, cpu_key, unit in loads:
+        direct = [med(results, "direct-h1", load, f"{metric}_p{q}") for q in (50, 99)]
+        ng = [med(results, "nginx-h1", load, f"{metric}_p{q}") - d for q, d in zip((50, 99), direct)]
+        gw = [med(results, "gw-h1", load, f"{metric}_p{q}") - d for q, d in zip((50, 99), direct)]
+        ratio = [g / n if n > 0 else float("nan") for g, n in zip(gw, ng)]
+        ng_cpu, gw_cpu = med(results, "nginx-h1", load, cpu_key), med(results, "gw-h1", load, cpu_key)
+        out.append(
+            f"| {label} | {f(ng[0], 3)} / {f(ng[1], 3)} | {f(gw[0], 3)} / {f(gw[1], 3)} | {f(ratio[0], 1)} / {f(ratio[1], 1)} "
+            f"| {f(ng_cpu, 3)} {unit} | {f(gw_cpu, 3)} {unit} | {f(gw_cpu / ng_cpu if ng_cpu else float('nan'), 1)} |"
+        )
+    out.append("")
+    return out
 
 
 # -- profiling -------------------------------------------------------------------------
@@ -787,6 +865,7 @@ def main() -> int:
     parser.add_argument("--profile-seconds", type=float, default=12)
     parser.add_argument("--profile-only", action="store_true", help="skip the measurements, only profile")
     parser.add_argument("--workers", action="store_true", help="instead: listen.workers 1 against 2 (req/s and CPU)")
+    parser.add_argument("--nginx", action="store_true", help="also nginx as a reference proxy (apt-get install nginx)")
     parser.add_argument(
         "--gateway-root",
         metavar="DIR",
@@ -819,6 +898,12 @@ def main() -> int:
         except ImportError:
             print("hypercorn not installed: skipping the HTTP/2 variant", file=sys.stderr)
             with_h2 = False
+    nginx = None
+    if args.nginx:
+        nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
+        if nginx is None:
+            print("--nginx: nginx not found (apt-get install nginx)", file=sys.stderr)
+            return 2
     tmp = tempfile.mkdtemp(prefix="edgegw-relay-")
     children: list[Child] = []
     if args.workers:
@@ -835,7 +920,7 @@ def main() -> int:
             shutil.rmtree(tmp, ignore_errors=True)
         return 0
     try:
-        children, targets = start_processes(tmp, with_h2, gateway_root, args.traces and not args.profile_only)
+        children, targets = start_processes(tmp, with_h2, gateway_root, args.traces and not args.profile_only, nginx)
         if not args.profile_only:
             results = runner(measure(targets, reps, scale))
             peaks = {t.key: t.gateway.peak_rss() for t in targets.values() if t.gateway}
