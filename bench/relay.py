@@ -437,7 +437,8 @@ http {{
     fastcgi_temp_path {tmp}/nginx-fastcgi;
     uwsgi_temp_path {tmp}/nginx-uwsgi;
     scgi_temp_path {tmp}/nginx-scgi;
-    upstream bench {{ server 127.0.0.1:{upstream_port}; keepalive 128; }}
+    keepalive_requests 1000000;  # the client's connections (the default 1000 closes them mid-run)
+    upstream bench {{ server 127.0.0.1:{upstream_port}; keepalive 128; keepalive_requests 1000000; }}
     server {{
         listen 127.0.0.1:{port};
         location / {{
