@@ -48,7 +48,8 @@ the upstream and the load generator during each load.
 
 Every figure is the median over ``--reps`` repetitions (default 3; the box is noisy).
 ``--profile`` afterwards samples the HTTP/1.1 gateway with ``py-spy record --format raw``
-(``pip install py-spy``) under the non-streaming c=16 load and the SSE c=64 load and prints
+(``pip install py-spy``) under the non-streaming c=16 load and the SSE c=64 loads (back to
+back, and paced at 100 tokens/s) and prints
 the functions with the most self time (share of the gateway's non-idle samples).
 """
 
@@ -805,8 +806,13 @@ async def profile(targets: dict[str, Target], seconds: float, tmp: str) -> str:
         return "py-spy not found: `.venv/bin/pip install py-spy`"
     gw = targets["gw-h1"]
     out = []
-    for label, conc, stream, rate in (("non-streaming c=16", 16, False, 2500), ("SSE c=64", 64, True, 50)):
-        raw = os.path.join(tmp, f"profile-{conc}.txt")
+    loads = (
+        ("non-streaming c=16", 16, False, 0.0, "json-c16"),
+        ("SSE c=64", 64, True, 0.0, "sse-c64"),
+        ("SSE c=64 at 100 tok/s", 64, True, 0.01, "sse-c64-paced"),
+    )
+    for label, conc, stream, delay, name in loads:
+        raw = os.path.join(tmp, f"profile-{name}.txt")
         argv = pinned(OTHER_CORE, [spy, "record", "--pid", str(gw.gateway.pid), "--format", "raw", "--rate", "250",
                                    "--nonblocking", "--duration", str(int(seconds)), "--output", raw])
         spy_proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -816,7 +822,8 @@ async def profile(targets: dict[str, Target], seconds: float, tmp: str) -> str:
         done = 0
         t0 = time.perf_counter()
         while time.monotonic() < deadline:
-            r = await run_phase(gw.port, conc, conc * 20 if stream else 2000, stream, None)
+            total = 2000 if not stream else conc * (2 if delay else 20)
+            r = await run_phase(gw.port, conc, total, stream, None, delay)
             done += r.requests
         wall = time.perf_counter() - t0
         cpu = gw.gateway.cpu() - cpu0
@@ -831,7 +838,7 @@ async def profile(targets: dict[str, Target], seconds: float, tmp: str) -> str:
             out.append(f"py-spy failed: {err.decode(errors='replace')[-500:]}")
         else:
             out.append(profile_summary(raw))
-            keep = os.path.join(tempfile.gettempdir(), f"edgegw-relay-profile-{'sse' if stream else 'json'}-c{conc}.txt")
+            keep = os.path.join(tempfile.gettempdir(), f"edgegw-relay-profile-{name}.txt")
             shutil.copy(raw, keep)
             out.append("")
             out.append(f"(raw stacks: {keep})")
