@@ -125,23 +125,34 @@ def ask(url: str, headers: dict) -> dict:
     return {"status": 200, "seconds": first, "route": route}
 
 
-def scenario(name: str, tenants: bool, streams: int, asks: int, workdir: str) -> dict:
-    port = free_port()
+def start_ready(config: dict, port: int, workdir: str) -> subprocess.Popen:
+    """``python -m gateway serve`` on ``config``, once its /readyz answers 200 (the engine
+    loaded); the caller stops it (``bench.overload.stop``)."""
     path = os.path.join(workdir, f"{port}.yaml")
     with open(path, "w") as f:
-        yaml.safe_dump(config(port, tenants), f)
+        yaml.safe_dump(config, f)
     proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", path], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
     try:
         wait_port(port, proc, timeout=300)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:  # connections may wait while the engine loads
             try:
-                if httpx.get(url + "/readyz", timeout=60).status_code == 200:
-                    break
+                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=60).status_code == 200:
+                    return proc
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
+        raise RuntimeError("the gateway did not become ready")
+    except BaseException:
+        stop(proc)
+        raise
+
+
+def scenario(name: str, tenants: bool, streams: int, asks: int, workdir: str) -> dict:
+    port = free_port()
+    proc = start_ready(config(port, tenants), port, workdir)
+    url = f"http://127.0.0.1:{port}"
+    try:
         headers = {"x-latency-budget-ms": "1000"}
         if tenants:
             headers = {"authorization": "Bearer sk-app"}

@@ -32,12 +32,11 @@ import tempfile
 import time
 
 import httpx
-import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.edge_contention import Bulk  # noqa: E402
+from bench.edge_contention import Bulk, start_ready  # noqa: E402
 from bench.overload import free_port, stop, wait_port  # noqa: E402
 from loadgen.http import BaseURL, ConnectionPool, HttpError  # noqa: E402
 from loadgen.openai import RequestHead, make_reader  # noqa: E402
@@ -100,21 +99,9 @@ def edge_running(url: str) -> float:
 
 def measure(process: bool, upstream: int, args, workdir: str) -> dict:
     port = free_port()
-    path = os.path.join(workdir, f"{port}.yaml")
-    with open(path, "w") as f:
-        yaml.safe_dump(gateway_config(port, upstream, process), f)
-    gw = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", path], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    gw = start_ready(gateway_config(port, upstream, process), port, workdir)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_port(port, gw, timeout=300)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:  # connections may wait while the engine loads
-            try:
-                if httpx.get(url + "/readyz", timeout=60).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
         asyncio.run(relay_phase(url, args.concurrency, 2))  # warm-up: connections, caches
         idle = asyncio.run(relay_phase(url, args.concurrency, args.seconds))
         bulk = Bulk(port, args.streams, None)
