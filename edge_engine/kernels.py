@@ -80,6 +80,14 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 inline float half_to_float(const at::Half h) { return _cvtsh_ss(h.x); }
+// one group's 32 weights (unpacked, in four registers) times 32 inputs, as 8 partial sums
+inline __m256 dot32(__m256 q0, __m256 q1, __m256 q2, __m256 q3, const float* xg) {
+  __m256 t0 = _mm256_mul_ps(q0, _mm256_loadu_ps(xg));
+  __m256 t1 = _mm256_mul_ps(q1, _mm256_loadu_ps(xg + 8));
+  t0 = _mm256_fmadd_ps(q2, _mm256_loadu_ps(xg + 16), t0);
+  t1 = _mm256_fmadd_ps(q3, _mm256_loadu_ps(xg + 24), t1);
+  return _mm256_add_ps(t0, t1);
+}
 #else
 inline float half_to_float(const at::Half h) { return static_cast<float>(h); }
 #endif
@@ -151,12 +159,7 @@ void q4_gemv(const float* x, int64_t M, const Q4& w, float* y) {
         const __m256 s = _mm256_set1_ps(half_to_float(srow[g]));
         const float mn = half_to_float(mrow[g]);
         for (int64_t m = 0; m < M; ++m) {
-          const float* xg = x + m * K + g * kGroup;
-          __m256 t0 = _mm256_mul_ps(q0, _mm256_loadu_ps(xg));
-          __m256 t1 = _mm256_mul_ps(q1, _mm256_loadu_ps(xg + 8));
-          t0 = _mm256_fmadd_ps(q2, _mm256_loadu_ps(xg + 16), t0);
-          t1 = _mm256_fmadd_ps(q3, _mm256_loadu_ps(xg + 24), t1);
-          acc[m] = _mm256_fmadd_ps(_mm256_add_ps(t0, t1), s, acc[m]);
+          acc[m] = _mm256_fmadd_ps(dot32(q0, q1, q2, q3, x + m * K + g * kGroup), s, acc[m]);
           accmin[m] += mn * xs[m * G + g];
         }
       }
@@ -199,12 +202,7 @@ void q8_gemv(const float* x, int64_t M, const Q8& w, float* y) {
         const __m256 q3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 24))));
         const __m256 s = _mm256_set1_ps(half_to_float(srow[g]));
         for (int64_t m = 0; m < M; ++m) {
-          const float* xg = x + m * K + g * kGroup;
-          __m256 t0 = _mm256_mul_ps(q0, _mm256_loadu_ps(xg));
-          __m256 t1 = _mm256_mul_ps(q1, _mm256_loadu_ps(xg + 8));
-          t0 = _mm256_fmadd_ps(q2, _mm256_loadu_ps(xg + 16), t0);
-          t1 = _mm256_fmadd_ps(q3, _mm256_loadu_ps(xg + 24), t1);
-          acc[m] = _mm256_fmadd_ps(_mm256_add_ps(t0, t1), s, acc[m]);
+          acc[m] = _mm256_fmadd_ps(dot32(q0, q1, q2, q3, x + m * K + g * kGroup), s, acc[m]);
         }
       }
       for (int64_t m = 0; m < M; ++m) y[m * N + n] = hsum(acc[m]);

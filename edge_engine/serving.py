@@ -72,9 +72,11 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
 
     # -- request ------------------------------------------------------------------------
-    def prepare(self, kind: str, body: dict, *, deadline: float | None = None) -> PreparedRequest:
+    def prepare(self, kind: str, body: dict, *, deadline: float | None = None, checked: bool = False) -> PreparedRequest:
         """Validate ``body`` and tokenise its prompt; ``deadline`` is a ``time.monotonic()``
-        value past which the request, if it has not started, is dropped (504).
+        value past which the request, if it has not started, is dropped (504); ``checked``:
+        ``check_request`` already passed ``body`` (the gateway's parser runs it on every
+        request), so it is not run again.
 
         Whether a field is well-formed is ``openai_fields.check_request``'s to say (the
         gateway applies the same rules before a request reaches any target); what is left
@@ -85,7 +87,8 @@ class OpenAIServing:
             raise ValueError(f"kind must be 'chat' or 'completion', not {kind!r}")
         if not isinstance(body, dict):
             raise _bad("the request body must be a JSON object", "body", "invalid_type")
-        check_request(kind, body)
+        if not checked:
+            check_request(kind, body)
         if kind == "chat":
             prompt_ids, prompt_param = self._chat_prompt(body), "messages"
         else:

@@ -114,7 +114,7 @@ class EdgeBackend:
     async def check(self, kind: str, data: dict) -> None:
         """Raise the gateway error the engine would answer ``data`` with, if any."""
         try:
-            await asyncio.to_thread(self.serving.prepare, kind, data)
+            await asyncio.to_thread(self.serving.prepare, kind, data, checked=True)
         except EngineError as exc:
             raise engine_error(exc) from None
 
@@ -128,7 +128,7 @@ class EdgeBackend:
         when it passes is dropped unrun (504 ``deadline_exceeded``)."""
         data = {**data, "priority": "interactive" if rank == 0 else "batch"}
         try:
-            prepared = await asyncio.to_thread(self.serving.prepare, kind, data, deadline=deadline)
+            prepared = await asyncio.to_thread(self.serving.prepare, kind, data, deadline=deadline, checked=True)
         except EngineError as exc:
             raise engine_error(exc) from None
         return EngineReply(self.serving, prepared, request_id, ping)

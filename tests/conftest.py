@@ -20,7 +20,7 @@ from gateway.app import create_app
 from gateway.cli import uvicorn_config
 from gateway.settings import Settings
 from bench.fakes import honour_h2_flow_control
-from tests.fakes import FakeUpstream, free_port, make_certificate
+from tests.fakes import FakeUpstream, free_port, make_certificate, started_by
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -124,16 +124,7 @@ def hypercorn_flow_control():
 
 @pytest.fixture
 def upstreams(hypercorn_flow_control):
-    started: list[FakeUpstream] = []
-
-    def start(protocol: str = "http1", **defaults) -> FakeUpstream:
-        fake = FakeUpstream(protocol, **defaults).start()
-        started.append(fake)
-        return fake
-
-    yield start
-    for fake in started:
-        fake.stop()
+    yield from started_by(lambda protocol="http1", **defaults: FakeUpstream(protocol, **defaults))
 
 
 def cluster(*fakes: FakeUpstream, name: str = "central", models=("fake-model",), **endpoint) -> dict:
@@ -146,32 +137,13 @@ def cluster(*fakes: FakeUpstream, name: str = "central", models=("fake-model",),
 
 @pytest.fixture
 def gateways():
-    started: list[GatewayThread] = []
-
-    def start(config: dict) -> GatewayThread:
-        config = {"cache": {"backend": "off"}, **config}  # relay tests see every request upstream
-        gw = GatewayThread(Settings.model_validate(config)).start()
-        started.append(gw)
-        return gw
-
-    yield start
-    for gw in started:
-        gw.stop()
+    # cache off unless asked: relay tests see every request upstream
+    yield from started_by(lambda config: GatewayThread(Settings.model_validate({"cache": {"backend": "off"}, **config})))
 
 
 @pytest.fixture
 def gateway_processes(tmp_path):
-    started: list[GatewayProcess] = []
-
-    def start(config: dict) -> GatewayProcess:
-        config = {"cache": {"backend": "off"}, **config}
-        gw = GatewayProcess(config, tmp_path).start()
-        started.append(gw)
-        return gw
-
-    yield start
-    for gw in started:
-        gw.stop()
+    yield from started_by(lambda config: GatewayProcess({"cache": {"backend": "off"}, **config}, tmp_path))
 
 
 

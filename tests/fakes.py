@@ -53,6 +53,21 @@ def make_certificate(folder: Path) -> tuple[str, str]:
     return str(certfile), str(keyfile)
 
 
+def started_by(make):
+    """The body of a fixture that starts things: yields ``start(...)``, which builds one with
+    ``make(...)``, starts it and returns it; stops every one started at the end."""
+    started = []
+
+    def start(*args, **kwargs):
+        thing = make(*args, **kwargs).start()
+        started.append(thing)
+        return thing
+
+    yield start
+    for thing in started:
+        thing.stop()
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -29,7 +29,7 @@ from gateway.app import create_app
 from gateway.ingress import H3Listener, Server, serve_http3
 from gateway.settings import ListenSettings, Settings
 from gateway.upstream import H2Pool, H3Pool, Origin, Timeouts
-from tests.fakes import FakeApp, free_port
+from tests.fakes import FakeApp, free_port, started_by
 
 
 def free_udp_port() -> int:
@@ -182,28 +182,10 @@ async def fetch(pool, path: str, body: bytes, headers: list[tuple[bytes, bytes]]
 @pytest.fixture
 def h3_upstreams(certificate):
     """Start ``FakeH3Upstream``s (stopped at the end of the test)."""
-    started: list[FakeH3Upstream] = []
-
-    def start(**defaults) -> FakeH3Upstream:
-        fake = FakeH3Upstream(certificate, **defaults).start()
-        started.append(fake)
-        return fake
-
-    yield start
-    for fake in started:
-        fake.stop()
+    yield from started_by(lambda **defaults: FakeH3Upstream(certificate, **defaults))
 
 
 @pytest.fixture
 def ingress_gateways(certificate):
     """Start ``IngressGateway``s from a config dict (cache off, as the relay tests)."""
-    started: list[IngressGateway] = []
-
-    def start(config: dict) -> IngressGateway:
-        gw = IngressGateway(Settings.model_validate({"cache": {"backend": "off"}, **config}), certificate).start()
-        started.append(gw)
-        return gw
-
-    yield start
-    for gw in started:
-        gw.stop()
+    yield from started_by(lambda config: IngressGateway(Settings.model_validate({"cache": {"backend": "off"}, **config}), certificate))

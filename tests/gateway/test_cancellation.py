@@ -45,6 +45,34 @@ def raw_request(url: str, body: dict, rcvbuf: int | None = None, headers: dict |
     return sock
 
 
+def assert_a_disconnect_mid_stream_stops_the_upstream(gw, fake) -> None:
+    """A client of ``gw`` leaves after three events of ``fake``'s 200-token stream: the
+    upstream sees it at once and sends nothing more; nothing stays in flight."""
+    sock = raw_request(gw.url, {**CHAT, "stream": True})
+    received = b""
+    while received.count(b"data:") < 3:
+        received += sock.recv(65536)
+    sock.close()
+    seen = fake.requests[-1]
+    assert wait_for(seen.disconnected.is_set, 3), "the upstream never saw the request closed"
+    time.sleep(0.1)  # a write already under way when the disconnect landed may still finish
+    sent = seen.chunks_sent
+    time.sleep(0.3)
+    assert seen.chunks_sent == sent < 200
+    assert not seen.finished
+    assert wait_for(lambda: gw.state.gate.in_flight == 0)
+
+
+def assert_a_disconnect_before_the_first_byte_cancels_the_upstream(gw, fake) -> None:
+    """A client of ``gw`` leaves while ``fake`` has not answered yet: the upstream sees the
+    request cancelled; nothing stays in flight."""
+    sock = raw_request(gw.url, {**CHAT, "stream": True})
+    assert wait_for(lambda: len(fake.requests) == 1)
+    sock.close()
+    assert wait_for(fake.requests[0].disconnected.is_set, 3)
+    assert wait_for(lambda: gw.state.gate.in_flight == 0)
+
+
 def assert_a_slow_client_stalls_the_upstream(gw, fake) -> None:
     """``fake`` offers 20,000 padded tokens (~320 MB) as fast as it can to a client of ``gw``
     (a gateway process) that reads nothing: the upstream stalls after what the buffers
@@ -77,31 +105,13 @@ def assert_a_slow_client_stalls_the_upstream(gw, fake) -> None:
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_client_disconnect_mid_stream_closes_the_upstream_request(upstreams, gateways, protocol):
     fake = upstreams(protocol, tokens=200, delay=0.02)
-    gw = gateways({"clusters": [cluster(fake)]})
-    sock = raw_request(gw.url, {**CHAT, "stream": True})
-    received = b""
-    while received.count(b"data:") < 3:
-        received += sock.recv(65536)
-    sock.close()
-    seen = fake.requests[-1]
-    assert wait_for(seen.disconnected.is_set, 3), "the upstream never saw the request closed"
-    time.sleep(0.1)  # a write already under way when the disconnect landed may still finish
-    sent = seen.chunks_sent
-    time.sleep(0.3)
-    assert seen.chunks_sent == sent < 200
-    assert not seen.finished
-    assert wait_for(lambda: gw.state.gate.in_flight == 0)
+    assert_a_disconnect_mid_stream_stops_the_upstream(gateways({"clusters": [cluster(fake)]}), fake)
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_client_disconnect_before_first_byte_cancels_the_upstream(upstreams, gateways, protocol):
     fake = upstreams(protocol, ttft=30, headers_first=False)
-    gw = gateways({"clusters": [cluster(fake)]})
-    sock = raw_request(gw.url, {**CHAT, "stream": True})
-    assert wait_for(lambda: len(fake.requests) == 1)
-    sock.close()
-    assert wait_for(fake.requests[0].disconnected.is_set, 3)
-    assert wait_for(lambda: gw.state.gate.in_flight == 0)
+    assert_a_disconnect_before_the_first_byte_cancels_the_upstream(gateways({"clusters": [cluster(fake)]}), fake)
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)

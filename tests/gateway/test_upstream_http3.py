@@ -15,7 +15,11 @@ from gateway.settings import EndpointSettings
 from gateway.upstream import FallbackPool, H3Pool, Origin, Timeouts
 from tests.conftest import cluster
 from tests.fakes_h3 import FakeH3Upstream, client_pool, fetch, h3_upstreams  # noqa: F401 (fixtures)
-from tests.gateway.test_cancellation import assert_a_slow_client_stalls_the_upstream, raw_request, wait_for
+from tests.gateway.test_cancellation import (
+    assert_a_disconnect_before_the_first_byte_cancels_the_upstream,
+    assert_a_disconnect_mid_stream_stops_the_upstream,
+    assert_a_slow_client_stalls_the_upstream,
+)
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}]}
 COMPLETION = {"model": "fake-model", "prompt": "hello"}
@@ -152,19 +156,7 @@ async def test_a_new_connection_resumes_and_sends_early_data_only_when_asked(h3_
 def test_client_disconnect_mid_stream_resets_the_upstream_stream(h3_upstreams, gateways):
     fake = h3_upstreams(tokens=200, delay=0.02)
     gw = gateways({"clusters": [h3_cluster(fake)]})
-    sock = raw_request(gw.url, {**CHAT, "stream": True})
-    received = b""
-    while received.count(b"data:") < 3:
-        received += sock.recv(65536)
-    sock.close()
-    seen = fake.requests[-1]
-    assert wait_for(seen.disconnected.is_set, 3), "the upstream never saw the stream reset"
-    time.sleep(0.1)
-    sent = seen.chunks_sent
-    time.sleep(0.3)
-    assert seen.chunks_sent == sent < 200
-    assert not seen.finished
-    assert wait_for(lambda: gw.state.gate.in_flight == 0)
+    assert_a_disconnect_mid_stream_stops_the_upstream(gw, fake)
     pool = gw.state.fleet.upstreams[fake.url].pool
     assert pool.num_streams == 0 and pool.num_connections == 1  # the connection stays
     assert httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "fake": {"delay": 0}}).status_code == 200
@@ -172,12 +164,7 @@ def test_client_disconnect_mid_stream_resets_the_upstream_stream(h3_upstreams, g
 
 def test_client_disconnect_before_first_byte_resets_the_upstream_stream(h3_upstreams, gateways):
     fake = h3_upstreams(ttft=30, headers_first=False)
-    gw = gateways({"clusters": [h3_cluster(fake)]})
-    sock = raw_request(gw.url, {**CHAT, "stream": True})
-    assert wait_for(lambda: len(fake.requests) == 1)
-    sock.close()
-    assert wait_for(fake.requests[0].disconnected.is_set, 3)
-    assert wait_for(lambda: gw.state.gate.in_flight == 0)
+    assert_a_disconnect_before_the_first_byte_cancels_the_upstream(gateways({"clusters": [h3_cluster(fake)]}), fake)
 
 
 def test_slow_client_stalls_the_http3_upstream_and_bounds_gateway_memory(h3_upstreams, gateway_processes):
