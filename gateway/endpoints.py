@@ -31,7 +31,7 @@ from gateway.node import WORKER_SCOPE, Node, node_families
 from gateway.observability import Metrics
 from gateway.pipeline import Answer, Pipeline
 from gateway.tenants import Tenant
-from gateway.relay import respond_json, respond_sse, respond_websocket, ws_error
+from gateway.relay import WRITER, respond_json, respond_sse, respond_websocket, ws_error
 
 __all__ = ["CompletionsApp", "HealthzApp", "JSONApp", "MetricsApp", "ModelsApp", "ReadyzApp", "WebSocketApp"]
 
@@ -60,7 +60,7 @@ class CompletionsApp:
             if reply.status >= 400 or not parsed.stream:
                 await respond_json(send, ctx, answer, series)
             else:
-                await respond_sse(send, ctx, answer, series)
+                await respond_sse(send, ctx, answer, series, scope.get(WRITER))
                 failure = answer.failed_mid_stream
         except GatewayError as exc:
             failure = exc

@@ -20,8 +20,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Protocol
 
 import orjson
 
@@ -34,11 +34,16 @@ if TYPE_CHECKING:  # annotations only: the pipeline imports this module
     from gateway.admission import RequestContext
     from gateway.observability import Series
     from gateway.pipeline import Answer
+    from gateway.replies import Reply
 
 __all__ = [
     "DONE",
     "PING",
+    "WRITER",
+    "BodyWriter",
     "EventReader",
+    "Meter",
+    "Splice",
     "error_event",
     "measured",
     "respond_json",
@@ -105,7 +110,7 @@ def ws_error(status: int, error: dict | None) -> str:
 
 
 class EventReader:
-    __slots__ = ("_body", "_ping", "_timeout", "_max_event", "_tail", "_idle")
+    __slots__ = ("_body", "_ping", "_timeout", "_max_event", "_tail", "_idle", "_on_events")
 
     def __init__(self, body: Body, ping_interval: float, read_timeout: float, max_event: int) -> None:
         self._body = body
@@ -114,6 +119,7 @@ class EventReader:
         self._max_event = max_event
         self._tail = b""
         self._idle = 0.0
+        self._on_events: Callable[[bytes], None] | None = None
 
     @property
     def in_event(self) -> bool:
@@ -135,51 +141,111 @@ class EventReader:
             if not data:
                 tail, self._tail = self._tail, b""
                 return tail  # an unterminated last event is passed on as it came (b"" when none)
-            if self._tail:
-                data = self._tail + data
-            cut = data.rfind(b"\n\n")
-            end = cut + 2 if cut >= 0 else -1
-            if b"\r" in data:
-                cut = data.rfind(b"\r\n\r\n")
-                if cut >= 0:
-                    end = max(end, cut + 4)
-            if end < 0:
-                if len(data) > self._max_event:
-                    raise UpstreamProtocolError(f"an upstream event exceeds {self._max_event} bytes")
-                self._tail = data
-                continue
-            if end == len(data):
-                self._tail = b""
-                return data
-            self._tail = data[end:]
-            return data[:end]
+            events = self._cut(data)
+            if events:
+                return events
+
+    def hand_over(self, on_events: Callable[[bytes], None] | None) -> bool:
+        """Give each run of complete events to ``on_events`` as it arrives, from the body's
+        producer (``Body.hand_over``); ``next`` then returns only at the end, on an error,
+        after a quiet spell, or once ``on_events`` gives the stream back (``None``)."""
+        if not self._body.hand_over(None if on_events is None else self._arrived):
+            return False
+        self._on_events = on_events
+        return True
+
+    def _arrived(self, data: bytes) -> None:
+        self._idle = 0.0
+        try:
+            events = self._cut(data)
+        except GatewayError as exc:
+            self._body.hand_over(None)
+            self._body.feed_error(exc)
+            return
+        if events:
+            self._on_events(events)  # type: ignore[misc]
+
+    def _cut(self, data: bytes) -> bytes:
+        """The complete events of what has arrived so far; the rest is kept as the tail."""
+        if self._tail:
+            data = self._tail + data
+        cut = data.rfind(b"\n\n")
+        end = cut + 2 if cut >= 0 else -1
+        if b"\r" in data:
+            cut = data.rfind(b"\r\n\r\n")
+            if cut >= 0:
+                end = max(end, cut + 4)
+        if end < 0:
+            if len(data) > self._max_event:
+                raise UpstreamProtocolError(f"an upstream event exceeds {self._max_event} bytes")
+            self._tail = data
+            return b""
+        if end == len(data):
+            self._tail = b""
+            return data
+        self._tail = data[end:]
+        return data[:end]
 
 
 # -- the event pipeline -------------------------------------------------------------------
 
 
-async def measured(ctx: RequestContext, answer: Answer, series: Series) -> AsyncIterator[bytes | None]:
+class Meter:
+    """What is noted of each run of events on its way to the client, whoever carries it
+    (the request's task through ``measured``, or a ``Splice`` inside the upstream's
+    callback): TTFT and inter-token gaps, the reply's first token, the count, and the usage
+    chunk read (and taken out when it was asked for on the client's behalf)."""
+
+    __slots__ = ("ctx", "answer", "series", "chunks", "_last", "_usage")
+
+    def __init__(self, ctx: RequestContext, answer: Answer, series: Series) -> None:
+        self.ctx = ctx
+        self.answer = answer
+        self.series = series
+        self.chunks = 0
+        self._last = 0.0
+        self._usage = answer.hide_usage or ctx.wants_usage
+
+    def note(self) -> None:
+        now = time.perf_counter()
+        if self._last:
+            gap = now - self._last
+            self.series.gap.observe(gap)
+            self.ctx.gaps.append(gap)
+        else:
+            ctx = self.ctx
+            ttft = now - ctx.timing.start
+            self.series.ttft.observe(ttft)
+            self.answer.ttft = ctx.ttft = ttft
+            self.answer.reply.first_token(time.monotonic())
+            ctx.timing.mark("first_token")
+        self._last = now
+        self.chunks += 1
+
+    def usage(self, events: bytes) -> bytes:
+        if self._usage and b'"usage"' in events:
+            return _take_usage(self.ctx, events, self.answer.hide_usage)
+        return events
+
+
+async def measured(
+    ctx: RequestContext, answer: Answer, series: Series, meter: Meter | None = None
+) -> AsyncIterator[bytes | None]:
     """The answer's events as the client should get them, for every transport: recorded for
-    the cache and its followers, measured (TTFT, inter-token gaps), their usage read (and
-    the usage chunk asked for on the client's behalf taken out), and reported to the reply
-    (its first token, its end); ``None`` after a quiet spell. When the reply breaks off, the
-    recording is aborted, the failure reported, and the ``GatewayError`` raised."""
+    the cache and its followers, noted by ``meter`` (``Meter``), and reported to the reply
+    (its end); ``None`` after a quiet spell. When the reply breaks off, the recording is
+    aborted, the failure reported, and the ``GatewayError`` raised."""
     reply, recorder = answer.reply, answer.recorder
-    timing = ctx.timing
-    start = timing.start
-    usage = answer.hide_usage or ctx.wants_usage
-    gaps = ctx.gaps
-    chunks = 0
-    last = 0.0
+    meter = meter or Meter(ctx, answer, series)
     while True:
         try:
             events = await reply.next_events()
         except GatewayError:
             if recorder is not None:
                 await recorder.finish(False)
-            reply.finish(False, chunks, time.monotonic())
-            ctx.tokens = chunks
-            timing.mark("decode" if chunks else "first_token")
+            reply.finish(False, meter.chunks, time.monotonic())
+            ctx.tokens = meter.chunks
+            ctx.timing.mark("decode" if meter.chunks else "first_token")
             raise
         if events is None:
             yield None
@@ -187,27 +253,66 @@ async def measured(ctx: RequestContext, answer: Answer, series: Series) -> Async
         if not events:
             if recorder is not None:
                 await recorder.finish(True)
-            reply.finish(True, chunks, time.monotonic())
-            ctx.tokens = chunks
-            timing.mark("decode")
+            reply.finish(True, meter.chunks, time.monotonic())
+            ctx.tokens = meter.chunks
+            ctx.timing.mark("decode")
             return
-        now = time.perf_counter()
-        if last:
-            gap = now - last
-            series.gap.observe(gap)
-            gaps.append(gap)
-        else:
-            series.ttft.observe(now - start)
-            answer.ttft = ctx.ttft = now - start
-            reply.first_token(time.monotonic())
-            timing.mark("first_token")
-        last = now
-        chunks += 1
+        meter.note()
         if recorder is not None:
             await recorder.feed(events)
-        if usage and b'"usage"' in events:
-            events = _take_usage(ctx, events, answer.hide_usage)
-        yield events
+        yield meter.usage(events)
+
+
+class Splice:
+    """Events written to the client from inside the upstream connection's callback, as they
+    arrive: no wake-up of the request's task, no ASGI message per event (the HTTP/1.1
+    listener's ``BodyWriter``; the reply's ``hand_over``). It lasts while the client keeps
+    up: when a write leaves the client's socket over its high-water mark the splice gives
+    the stream back, arrivals are kept in the bounded body again (so the upstream is paused
+    as before) and the task relays them through ``send`` (which waits for the client, and
+    ``Stall`` times it); once the task has caught up it starts the splice again. The task
+    still wakes for a quiet spell (``: ping``), the end and a failure."""
+
+    __slots__ = ("reply", "meter", "writer", "on")
+
+    def __init__(self, reply: Reply, meter: Meter, writer: BodyWriter) -> None:
+        self.reply = reply
+        self.meter = meter
+        self.writer = writer
+        self.on = False
+
+    def start(self) -> None:
+        if not self.on and self.writer.writable:
+            self.on = self.reply.hand_over(self._events)
+
+    def stop(self) -> None:
+        if self.on:
+            self.on = False
+            self.reply.hand_over(None)
+
+    def _events(self, events: bytes) -> None:
+        meter = self.meter
+        meter.note()
+        events = meter.usage(events)
+        if events and not self.writer.write(events):
+            self.stop()  # the client is behind: the task takes over until it has caught up
+
+
+class BodyWriter(Protocol):
+    """What a listener offers for ``Splice`` (``scope[WRITER]``): the next piece of a
+    response body whose head went through ``send``, written now."""
+
+    @property
+    def writable(self) -> bool:
+        """The client is there and its socket below its high-water mark."""
+
+    def write(self, data: bytes) -> bool:
+        """Write ``data`` (not empty); False when the client now accepts no more for the
+        moment (or has gone)."""
+
+
+# The scope key of a listener that offers a ``BodyWriter`` (gateway.ingress.http1).
+WRITER = "edgegw.writer"
 
 
 def _take_usage(ctx: RequestContext, events: bytes, hide: bool) -> bytes:
@@ -310,10 +415,12 @@ class Stall(Watch):
         self._dog.discard(self)
 
 
-async def respond_sse(send, ctx: RequestContext, answer: Answer, series: Series) -> None:
+async def respond_sse(send, ctx: RequestContext, answer: Answer, series: Series, writer: BodyWriter | None = None) -> None:
     """Relay the answer as SSE: headers at once, then each run of events as it comes, a
     ``: ping`` comment after each quiet spell; a reply that breaks off ends the stream with
-    an OpenAI error event and ``[DONE]``."""
+    an OpenAI error event and ``[DONE]``. With a listener's ``writer`` and nothing to record
+    for the cache, events go straight from the upstream's callback to the client while it
+    keeps up (``Splice``)."""
     reply = answer.reply
     headers = _headers(ctx, answer)
     if not any(name == b"cache-control" for name, _ in headers):
@@ -323,17 +430,26 @@ async def respond_sse(send, ctx: RequestContext, answer: Answer, series: Series)
     ctx.status = reply.status
     await send({"type": "http.response.start", "status": reply.status, "headers": headers})
     message = {"type": "http.response.body", "body": b"", "more_body": True}
+    meter = Meter(ctx, answer, series)
+    splice = Splice(reply, meter, writer) if writer is not None and answer.recorder is None else None
     stall = Stall(ctx, ctx.send_timeout)
     try:
-        async with contextlib.aclosing(measured(ctx, answer, series)) as stream:
+        async with contextlib.aclosing(measured(ctx, answer, series, meter)) as stream:
+            if splice is not None:
+                splice.start()
             async for events in stream:
                 if events is None:
                     if reply.in_event:
                         continue
                     events = PING
-                message["body"] = events
-                await stall.send(send, message)
+                if events:
+                    message["body"] = events
+                    await stall.send(send, message)
+                if splice is not None:
+                    splice.start()  # caught up (or never behind): straight through again
     except GatewayError as exc:
+        if splice is not None:
+            splice.stop()
         answer.failed_mid_stream = exc
         message["body"] = (b"\n\n" if reply.in_event else b"") + error_event(exc) + DONE
         await send(message)
@@ -342,6 +458,8 @@ async def respond_sse(send, ctx: RequestContext, answer: Answer, series: Series)
             raise
         # stopped from outside with the client still there (the drain timeout ran out): end
         # the stream the way any failure after the first byte ends, then stop
+        if splice is not None:
+            splice.stop()
         message["body"] = (b"\n\n" if reply.in_event else b"") + error_event(_STOPPED) + DONE
         await send(message)
         ctx.responded()
@@ -349,6 +467,8 @@ async def respond_sse(send, ctx: RequestContext, answer: Answer, series: Series)
         raise
     finally:
         stall.stop()
+        if splice is not None:
+            splice.stop()
     ctx.responded()
     await send({"type": "http.response.body", "body": b""})
     series.e2e.observe(ctx.timing.elapsed())

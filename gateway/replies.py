@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 from cache import Flight, FlightAborted, as_json
@@ -64,6 +64,12 @@ class Reply:
     @property
     def in_event(self) -> bool:
         """Part of an event has been relayed but not its end (no comment may go in now)."""
+        return False
+
+    def hand_over(self, on_events: Callable[[bytes], None] | None) -> bool:
+        """Give each run of complete events to ``on_events`` as it arrives instead of
+        through ``next_events`` (``gateway.relay.Splice``), or stop (``None``); False when
+        this kind of reply cannot, or cannot now."""
         return False
 
     def first_token(self, now: float) -> None:
@@ -124,6 +130,9 @@ class UpstreamReply(Reply):
 
     def next_events(self):
         return self._reader.next()
+
+    def hand_over(self, on_events: Callable[[bytes], None] | None) -> bool:
+        return self._reader.hand_over(on_events)
 
     @property
     def in_event(self) -> bool:

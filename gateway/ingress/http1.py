@@ -17,6 +17,9 @@ are answered in plain text. ``H1Protocol`` adds, per connection:
   method, smuggling attempts) and for ``limits.max_connections`` (``503`` with
   ``Retry-After``).
 
+A response body may also be written from a callback (``scope[WRITER]``, a
+``_ChunkWriter``): the relay's ``Splice`` writes SSE events as the upstream delivers them.
+
 Timeouts go through the loop's watchdog (``gateway.timeouts``): no timer per request. A
 lost connection is reported to the request's ``scope[ON_GONE]`` when admission put a
 callable there: no task per request waits on ``receive`` for the disconnect.
@@ -29,6 +32,7 @@ import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.admission import ON_GONE
+from gateway.relay import WRITER
 from gateway.settings import LimitSettings
 from gateway.timeouts import Watch, watchdog
 
@@ -154,6 +158,7 @@ class H1Protocol(HttpToolsProtocol):
                 self.app = self._app
         else:
             super().on_headers_complete()
+            self.scope[WRITER] = _ChunkWriter(self.cycle)
 
     def send_400_response(self, msg: str) -> None:
         self._refuse(400, "invalid_http_request", msg)
@@ -192,6 +197,35 @@ class H1Protocol(HttpToolsProtocol):
             }
         )
         await send({"type": "http.response.body", "body": body})
+
+
+class _ChunkWriter:
+    """``gateway.relay.BodyWriter`` for one response: a body chunk straight onto the
+    socket, framed as uvicorn's ``send`` frames it (chunked transfer encoding), with no
+    ASGI message and no task in between. ``send`` still starts and ends the response."""
+
+    __slots__ = ("cycle",)
+
+    def __init__(self, cycle) -> None:
+        self.cycle = cycle
+
+    @property
+    def writable(self) -> bool:
+        cycle = self.cycle
+        return (
+            cycle.chunked_encoding is True
+            and cycle.response_started
+            and not cycle.response_complete
+            and not cycle.disconnected
+            and not cycle.flow.write_paused
+        )
+
+    def write(self, data: bytes) -> bool:
+        cycle = self.cycle
+        if cycle.disconnected or cycle.response_complete:
+            return False
+        cycle.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+        return not cycle.flow.write_paused
 
 
 class _HeadDeadline(Watch):

@@ -71,7 +71,7 @@ class Body:
 
     __slots__ = (
         "_loop", "_chunks", "_size", "_flow", "_eof", "_exc", "_waiter", "_high", "_on_full", "_on_drain",
-        "_last", "_timer", "_timeout", "_expired",
+        "_last", "_timer", "_timeout", "_expired", "_consumer",
     )
 
     def __init__(
@@ -95,11 +95,16 @@ class Body:
         self._timer: asyncio.TimerHandle | None = None
         self._timeout = 0.0
         self._expired = False
+        self._consumer: Callable[[bytes], None] | None = None
 
     # -- producer side (the protocol) --------------------------------------------------
 
     def feed(self, data: bytes, flow: int | None = None) -> None:
         self._last = self._loop.time()
+        if self._consumer is not None and not self._chunks:
+            self._consumer(data)  # taken at once: given back to the peer at once
+            self._on_drain(len(data) if flow is None else flow)
+            return
         self._chunks.append(data)
         self._size += len(data)
         self._flow += len(data) if flow is None else flow
@@ -147,6 +152,16 @@ class Body:
     @property
     def is_complete(self) -> bool:
         return self._eof
+
+    def hand_over(self, consumer: Callable[[bytes], None] | None) -> bool:
+        """From now on give each arrival to ``consumer`` as it comes, inside the protocol's
+        callback, instead of keeping it for ``read`` (which then wakes only at the end, on
+        an error, or after a quiet spell); ``None`` goes back to keeping arrivals. Refused
+        (False) while something is kept unread or the body has ended: read that first."""
+        if consumer is not None and (self._chunks or self._eof or self._exc is not None):
+            return False
+        self._consumer = consumer
+        return True
 
     @property
     def buffered(self) -> int:

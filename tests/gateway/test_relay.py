@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from gateway.errors import UpstreamProtocolError, UpstreamReadTimeout
-from gateway.relay import DONE, EventReader, sse_event, sse_events, sse_payloads
+from gateway.relay import DONE, EventReader, Meter, Splice, sse_event, sse_events, sse_payloads
 from gateway.upstream.base import Body
 from tests.conftest import cluster
 
@@ -286,6 +286,125 @@ async def test_event_reader_refuses_an_endless_event():
     body.feed(b"data: " + b"x" * 100)
     with pytest.raises(UpstreamProtocolError, match="exceeds 64 bytes"):
         await reader.next()
+
+
+class _Writer:
+    """A client socket for ``Splice``: takes what is written; ``room`` writes before full."""
+
+    def __init__(self, room: int = 1000) -> None:
+        self.written: list[bytes] = []
+        self.room = room
+
+    @property
+    def writable(self) -> bool:
+        return self.room > 0
+
+    def write(self, data: bytes) -> bool:
+        self.written.append(data)
+        self.room -= 1
+        return self.room > 0
+
+
+class _Reply:
+    def __init__(self, reader: EventReader) -> None:
+        self.reader = reader
+        self.first = None
+
+    def hand_over(self, on_events) -> bool:
+        return self.reader.hand_over(on_events)
+
+    def first_token(self, now: float) -> None:
+        self.first = now
+
+
+class _Series:
+    class _H:
+        def __init__(self) -> None:
+            self.values: list[float] = []
+
+        def observe(self, value: float) -> None:
+            self.values.append(value)
+
+    def __init__(self) -> None:
+        self.ttft, self.gap = self._H(), self._H()
+
+
+def spliced(writer: _Writer, **reader):
+    from gateway.admission import RequestContext
+    from gateway.pipeline import Answer
+
+    body, events = reader_over(**reader)
+    ctx = RequestContext({"headers": [], "client": None}, b"rid", "chat")
+    answer = Answer()
+    answer.reply = _Reply(events)
+    series = _Series()
+    meter = Meter(ctx, answer, series)
+    return body, events, Splice(answer.reply, meter, writer), meter, series
+
+
+async def test_a_splice_writes_whole_events_as_they_arrive_and_notes_each():
+    writer = _Writer()
+    body, reader, splice, meter, series = spliced(writer)
+    splice.start()
+    assert splice.on
+    body.feed(b"data: one\n\ndata: tw")  # no read: the producer's own call writes
+    assert writer.written == [b"data: one\n\n"]
+    assert reader.in_event  # the half event is kept: no comment may go in now
+    body.feed(b"o\n\n")
+    assert writer.written == [b"data: one\n\n", b"data: two\n\n"]
+    assert body.buffered == 0 and meter.chunks == 2
+    assert len(series.ttft.values) == 1 and len(series.gap.values) == 1
+    body.feed_eof()
+    assert await reader.next() == b""  # the task wakes only for the end
+
+
+async def test_a_splice_gives_the_stream_back_when_the_client_is_behind():
+    writer = _Writer(room=2)
+    body, reader, splice, meter, _ = spliced(writer)
+    splice.start()
+    body.feed(b"data: 1\n\n")
+    body.feed(b"data: 2\n\n")  # the client's socket is full now
+    assert not splice.on
+    body.feed(b"data: 3\n\n")  # kept in the bounded body, for the task to relay
+    assert writer.written == [b"data: 1\n\n", b"data: 2\n\n"]
+    assert body.buffered == len(b"data: 3\n\n")
+    writer.room = 10  # the client read: the splice may not start while something is kept
+    splice.start()
+    assert not splice.on
+    assert await reader.next() == b"data: 3\n\n"
+    splice.start()
+    assert splice.on
+    body.feed(b"data: 4\n\n")
+    assert writer.written[-1] == b"data: 4\n\n" and body.buffered == 0
+
+
+async def test_a_splice_refuses_an_endless_event_through_the_task():
+    writer = _Writer()
+    body, reader, splice, _, _ = spliced(writer, max_event=64)
+    splice.start()
+    body.feed(b"data: " + b"x" * 100)
+    assert writer.written == []
+    with pytest.raises(UpstreamProtocolError, match="exceeds 64 bytes"):
+        await reader.next()
+
+
+def test_sse_events_are_spliced_on_the_http1_listener(setup, monkeypatch):
+    """Through a real gateway and listener: events go from the upstream's callback to the
+    client's socket (``Splice``), byte for byte as the upstream sent them, each measured."""
+    written = []
+    events = Splice._events
+    monkeypatch.setattr(Splice, "_events", lambda self, data: (written.append(data), events(self, data))[1])
+    fake, gw = setup
+    body = {**CHAT, "stream": True, "fake": {"tokens": 12, "delay": 0.01}}
+    direct = httpx.post(fake.url + "/v1/chat/completions", json=body)
+    relayed = httpx.post(gw.url + "/v1/chat/completions", json=body)
+    assert relayed.content == direct.content
+    assert len(written) >= 10  # paced events: nearly every one went straight through
+    assert b"".join(written) in relayed.content
+    text = httpx.get(gw.url + "/metrics").text
+    assert f'edgegw_inter_token_seconds_count{{model="fake-model",target="{fake.url}"}}' in text
+    gaps = next(line for line in text.splitlines() if line.startswith("edgegw_inter_token_seconds_count"))
+    assert float(gaps.rsplit(" ", 1)[1]) >= 10
 
 
 def test_sse_framing_round_trips():
