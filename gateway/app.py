@@ -76,6 +76,7 @@ class Gateway:
         self.metrics.watch(self.diagnosis_gauges)
         if self.node is not None:
             self.metrics.watch(self.worker_gauges)
+            self.node.beat()  # the parent's proof that this worker's loop runs
         await self.slos.start()
         await self.cache.start()
         self.started = True

@@ -18,12 +18,16 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["WORKER_SCOPE", "Node", "node_families"]
+__all__ = ["BEAT_S", "WORKER_SCOPE", "Node", "node_families"]
+
+BEAT_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +35,15 @@ class Node:
     index: int  # this worker's number, 0 .. workers - 1
     workers: int  # relay workers on the node
     rundir: str  # the node's private directory of Unix sockets
+    # shared with the parent: the worker's event loop writes time.monotonic() here every
+    # ``BEAT_S`` (``beat``); the parent replaces a worker whose last beat is too old
+    heartbeat: Any = None
+
+    def beat(self) -> None:
+        """Note, from the event loop, that it runs; and again in ``BEAT_S`` seconds."""
+        if self.heartbeat is not None:
+            self.heartbeat.value = time.monotonic()
+            asyncio.get_running_loop().call_later(BEAT_S, self.beat)
 
     @property
     def engine_socket(self) -> str:

@@ -98,6 +98,9 @@ class ListenSettings(_Model):
     tls: TLSListenSettings | None = None  # also serve HTTPS (HTTP/1.1 + HTTP/2) on another port
     http3: HTTP3ListenSettings | None = None  # also serve HTTP/3 (QUIC, UDP); HTTPS answers advertise it (Alt-Svc)
     workers: int | Literal["auto"] = 1  # relay processes on these ports (auto: the cores this process may use)
+    # with workers > 1: a worker whose event loop has not run for this long is hung (a request
+    # stuck in CPU work, a deadlock): the parent kills it and starts another
+    worker_timeout_s: float = Field(30.0, gt=0)
 
     @field_validator("workers")
     @classmethod

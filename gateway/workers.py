@@ -14,6 +14,8 @@ of the node's one edge engine process.
 - it starts each worker (``multiprocessing``'s spawn: a fresh interpreter, nothing
   inherited but the settings and the slot's socket), which runs the same app under uvicorn
   (``gateway.cli.uvicorn_config``);
+- a worker whose event loop stops running (no heartbeat for ``listen.worker_timeout_s``:
+  a request stuck in CPU work, a deadlock, a stopped process) is killed, and so replaced;
 - a worker (or the engine) that exits is started again after a back-off that doubles
   while it keeps dying young (0.5 s up to 10 s), each time logged with its exit status;
   but a worker whose start-up failed (uvicorn's exit status 3: its lifespan raised, e.g. a
@@ -58,6 +60,7 @@ _BACKOFF_MAX_S = 10.0
 _YOUNG_S = 10.0  # a child that dies younger than this doubles its back-off
 _ENGINE_START_S = 600.0  # loading the model (and building kernels) may take minutes the first time
 _KILL_AFTER_S = 10.0  # past the drain timeout
+_START_S = 60.0  # a worker's first beat may take this long (imports, the app's start-up)
 
 
 def bind_slots(host: str, port: int, count: int, backlog: int = 2048) -> list[socket.socket]:
@@ -119,16 +122,19 @@ def _child_main(target: Callable, *args) -> None:
 class _Child:
     """One supervised process slot: what it runs, its current process and its back-off."""
 
-    def __init__(self, name: str, target: Callable, args: tuple) -> None:
+    def __init__(self, name: str, target: Callable, args: tuple, heartbeat=None) -> None:
         self.name = name
         self.target = target
         self.args = args
+        self.heartbeat = heartbeat  # a shared double: its event loop's last beat (gateway.node.Node.beat)
         self.process: multiprocessing.process.BaseProcess | None = None
         self.started_at = 0.0
         self.backoff = 0.0
         self.restart_at: float | None = None
 
     def start(self, context) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.value = 0.0
         self.process = context.Process(target=_child_main, args=(self.target, *self.args), name=f"edgegw {self.name}")
         self.process.start()
         self.started_at = time.monotonic()
@@ -138,6 +144,22 @@ class _Child:
     @property
     def is_alive(self) -> bool:
         return self.process is not None and self.process.is_alive()
+
+    def kill_if_hung(self, now: float, timeout: float) -> None:
+        """SIGKILL a process whose event loop has not beaten for ``timeout`` seconds (or, not
+        yet started, for ``max(timeout, _START_S)``): the next round sees it ended and
+        starts another, as for any death."""
+        if self.heartbeat is None:
+            return
+        last = self.heartbeat.value
+        silent = now - last if last else now - self.started_at - max(0.0, _START_S - timeout)
+        if silent > timeout:
+            logger.error(
+                "%s (pid %d) is hung: its event loop has not run for %.1f s (listen.worker_timeout_s %g); killing it",
+                self.name, self.process.pid, now - (last or self.started_at), timeout,
+            )
+            self.process.kill()
+            self.process.join(5)
 
     def exited(self, now: float) -> float:
         """The process has ended unasked: when to start it again."""
@@ -207,9 +229,10 @@ class Supervisor:
             if not self._wait_for_engine(engine, path):
                 self._terminate([engine])
                 return 0 if self._stopping else 1  # asked to stop while it loaded: a clean exit
-        children = [
-            _Child(f"worker {i}", self.worker, (settings, Node(i, workers, rundir), slots[i])) for i in range(workers)
-        ]
+        children = []
+        for i in range(workers):
+            node = Node(i, workers, rundir, self.context.RawValue("d", 0.0))
+            children.append(_Child(f"worker {i}", self.worker, (settings, node, slots[i]), node.heartbeat))
         for child in children:
             child.start(self.context)
         logger.info("edgegw: %d worker(s) on http://%s:%d", workers, settings.listen.host, port)
@@ -227,6 +250,8 @@ class Supervisor:
                         self._stopping, status = True, STARTUP_FAILURE
                         break
                     child.exited(now)
+                else:
+                    child.kill_if_hung(now, settings.listen.worker_timeout_s)
             sentinels = [c.process.sentinel for c in everyone if c.process is not None]
             due = [c.restart_at for c in everyone if c.restart_at is not None]
             timeout = max(0.0, min(due) - time.monotonic()) if due else 1.0

@@ -104,6 +104,29 @@ def test_two_workers_serve_one_port_a_killed_worker_is_replaced_and_sigterm_drai
     assert not any(is_running(pid) for pid in replaced.values())
 
 
+def test_a_hung_worker_is_killed_and_replaced(upstreams, gateway_processes):
+    """A worker whose event loop stops (here: the process stopped, SIGSTOP) beats no more:
+    past ``listen.worker_timeout_s`` the parent kills it and starts another on its slot."""
+    fake = upstreams()
+    gw = gateway_processes({"listen": {"workers": 2, "worker_timeout_s": 1.0}, "clusters": [cluster(fake)]})
+    pids = worker_pids(gw, 2)
+    assert ask(gw.url, 6) == [200] * 6
+    time.sleep(2.5)  # beating workers outlive the timeout
+    assert worker_pids(gw, 2) == pids
+    os.kill(pids[0], signal.SIGSTOP)  # a worker of ours, by its pid
+    try:
+        replaced = worker_pids(gw, 2, timeout=15, exclude=frozenset({pids[0]}))
+    finally:
+        if is_running(pids[0]):
+            os.kill(pids[0], signal.SIGKILL)
+    assert replaced[1] == pids[1] and replaced[0] != pids[0]
+    log = gw.log.read_text()
+    assert f"worker 0 (pid {pids[0]}) is hung: its event loop has not run for" in log
+    assert f"worker 0 (pid {pids[0]}) ended (killed by signal 9)" in log
+    wait_for(lambda: not is_running(pids[0]))
+    assert ask(gw.url, 10) == [200] * 10
+
+
 def test_sigterm_lets_a_stream_in_flight_finish(upstreams, gateway_processes):
     fake = upstreams(tokens=10, delay=0.1)
     gw = gateway_processes({"listen": {"workers": 2}, "clusters": [cluster(fake)]})
@@ -160,7 +183,7 @@ def test_two_workers_share_one_engine_process_and_a_client_gone_aborts_its_seque
         with httpx.Client(timeout=30) as client:
             answer = client.post(gw.url + "/v1/chat/completions", json={**LONG, "stream": False, "max_tokens": 4})
             assert answer.status_code == 200 and answer.json()["model"] == "tiny", answer.text
-    assert gauge(gw.url, "edgegw_edge_finished") == 4
+    wait_for(lambda: gauge(gw.url, "edgegw_edge_finished") == 4, 5)  # the engine's stats reach a worker every 50 ms
     asked = httpx.post(gw.url + "/v1/chat/completions", json={**LONG, "stream": False, "max_tokens": 2}, headers={"x-request-id": "req-42"}, timeout=30)
     assert asked.json()["id"] == "req-42"  # the gateway's request id, as in-process
     for body, param in [({"temperature": -1}, "temperature"), ({"model": "auto", "max_tokens": 10**9}, "max_tokens")]:
