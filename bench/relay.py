@@ -3,6 +3,7 @@
     .venv/bin/python bench/relay.py [--quick] [--reps 3] [--no-h2] [--traces] [--json FILE]
     .venv/bin/python bench/relay.py --profile [--profile-seconds 12]      # + py-spy
     .venv/bin/python bench/relay.py --workers [--reps 3]   # listen.workers 1 against 2, same run
+    .venv/bin/python bench/relay.py --workers --native-peers   # the same with wrk and nginx as load generator and upstream
     .venv/bin/python bench/relay.py --nginx [--no-h2]      # + nginx as a reference proxy (apt-get install nginx)
 
 Processes (each started here, stopped here by PID; traffic only on 127.0.0.1):
@@ -45,6 +46,14 @@ upstream, ``listen.workers: 1`` and ``listen.workers: 2``, both allowed on cores
 (the upstream and the load generator stay on core 1), under non-streaming c=64 and SSE c=64
 loads: requests/s of each, the ratio, and the CPU (cores busy) of the gateway's processes,
 the upstream and the load generator during each load.
+
+``--workers --native-peers`` runs that scenario with peers outside the interpreter, so that
+they leave the gateway more of the machine (``apt-get install wrk nginx``, the bench's own
+set-up): ``wrk`` (one thread, pinned to core 1, 8 s per load, req/s and its p50/p99 latency,
+its CPU from its own rusage) as the load generator, and nginx (one worker, core 1) as the
+upstream, answering every request with the fast upstream's 64-token JSON answer or its
+66-event stream as one fixed body (one cluster per kind, by model name). A stream that
+arrives in one read is relayed as one chunk: this measures requests, not events.
 
 Every figure is the median over ``--reps`` repetitions (default 3; the box is noisy).
 ``--profile`` afterwards samples the HTTP/1.1 gateway with ``py-spy record --format raw``
@@ -561,6 +570,161 @@ def start_worker_gateways(tmp: str, gateway_root: str) -> tuple[list[Child], Chi
     return children, fast, targets
 
 
+# -- listen.workers with peers outside the interpreter: wrk and nginx ---------------------
+
+NATIVE_SECONDS = 8.0
+
+
+def native_upstream_config(json_port: int, sse_port: int, tmp: str) -> str:
+    """nginx answering every request with one fixed answer: the fast upstream's 64-token JSON
+    answer on ``json_port``, its 66-event stream (one body, Content-Length) on ``sse_port``.
+    The answers are files; nginx's static module refuses POST (405), which ``error_page``
+    turns into the file itself (a GET of the same URI, internally)."""
+    from fast_upstream import Answers  # bench/ is this script's directory
+
+    answers = Answers(TOKENS, [MODEL])
+    bodies = {
+        "json": answers.json(MODEL, "chat").split(b"\r\n\r\n", 1)[1],
+        "sse": b"".join(frame.split(b"\r\n", 1)[1][:-2] for frame in answers.sse(MODEL, "chat")[:-1]),
+    }
+    for kind, body in bodies.items():
+        for path in ("v1/chat/completions", "health"):
+            os.makedirs(os.path.join(tmp, kind, os.path.dirname(path)), exist_ok=True)
+            with open(os.path.join(tmp, kind, path), "wb") as fh:
+                fh.write(body)
+    for path, _, _ in [*os.walk(os.path.join(tmp, "json")), *os.walk(os.path.join(tmp, "sse")), (tmp, 0, 0)]:
+        os.chmod(path, 0o755)  # nginx's worker runs as nobody when started by root
+    return f"""
+worker_processes 1;
+daemon off;
+pid {tmp}/nginx-upstream.pid;
+error_log {tmp}/nginx-upstream-error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+    access_log off;
+    client_body_temp_path {tmp}/nginx-up-body;
+    proxy_temp_path {tmp}/nginx-up-proxy;
+    fastcgi_temp_path {tmp}/nginx-up-fastcgi;
+    uwsgi_temp_path {tmp}/nginx-up-uwsgi;
+    scgi_temp_path {tmp}/nginx-up-scgi;
+    keepalive_requests 1000000;
+    server {{
+        listen 127.0.0.1:{json_port};
+        location / {{ root {tmp}/json; default_type application/json; error_page 405 =200 $uri; }}
+    }}
+    server {{
+        listen 127.0.0.1:{sse_port};
+        location / {{ root {tmp}/sse; default_type "text/event-stream; charset=utf-8"; error_page 405 =200 $uri; }}
+    }}
+}}
+"""
+
+
+WRK_SCRIPT = """
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+wrk.body = '{body}'
+"""
+
+
+def run_wrk(wrk: str, port: int, conc: int, seconds: float, stream: bool, tmp: str) -> dict:
+    """``wrk`` (one thread, pinned to core 1) for ``seconds``: req/s, p50/p99 latency (ms),
+    failures, and the CPU it took (cores busy, from its own rusage)."""
+    model = MODEL + ("-sse" if stream else "-json")
+    payload = {"model": model, "messages": _MESSAGES, "max_tokens": TOKENS, "stream": stream}
+    script = os.path.join(tmp, f"wrk-{model}.lua")
+    with open(script, "w") as fh:
+        fh.write(WRK_SCRIPT.format(body=json.dumps(payload)))
+    argv = pinned(OTHER_CORE, [wrk, "-t1", f"-c{conc}", f"-d{seconds:g}s", "--latency", "-s", script, f"http://127.0.0.1:{port}/v1/chat/completions"])
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out = proc.stdout.read().decode()  # type: ignore[union-attr]
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise RuntimeError(f"wrk failed:\n{out}")
+    figures: dict = {"errors": 0}
+    for line in out.splitlines():
+        words = line.split()
+        if line.startswith("Requests/sec:"):
+            figures["rps"] = float(words[1])
+        elif words[:1] == ["50%"]:
+            figures["p50_ms"] = _wrk_ms(words[1])
+        elif words[:1] == ["99%"]:
+            figures["p99_ms"] = _wrk_ms(words[1])
+        elif "Non-2xx" in line:
+            figures["errors"] += int(words[-1])
+        elif line.strip().startswith("Socket errors:"):
+            figures["errors"] += sum(int(w.rstrip(",")) for w in words if w.rstrip(",").isdigit())
+        elif "requests in" in line:
+            figures["requests"] = int(words[0])
+    figures["wall"] = seconds
+    figures["loadgen_cores"] = (usage.ru_utime + usage.ru_stime) / seconds
+    return figures
+
+
+def _wrk_ms(text: str) -> float:
+    for unit, scale in (("us", 1e-3), ("ms", 1.0), ("s", 1e3)):
+        if text.endswith(unit):
+            return float(text[: -len(unit)]) * scale
+    return float(text)
+
+
+def start_native_worker_gateways(tmp: str, gateway_root: str, nginx: str) -> tuple[list[Child], Child, dict[str, Target]]:
+    """nginx as the upstream (core 1), and gateways with ``listen.workers: 1`` and 2 on
+    both cores, with one cluster per answer kind (model ``bench-model-json`` / ``-sse``)."""
+    children: list[Child] = []
+    targets: dict[str, Target] = {}
+    json_port, sse_port = free_port(), free_port()
+    conf = os.path.join(tmp, "nginx-upstream.conf")
+    with open(conf, "w") as fh:
+        fh.write(native_upstream_config(json_port, sse_port, tmp))
+    upstream = Child("nginx-upstream", pinned(OTHER_CORE, [nginx, "-p", tmp, "-c", conf]), tmp)
+    children.append(upstream)
+    upstream.wait_http(json_port, "/health")
+    for workers in (1, 2):
+        key = f"gw-h1-w{workers}"
+        port = free_port()
+        config = gateway_config(json_port, "http1", port)
+        cluster = config["clusters"][0]
+        sse_cluster = {**cluster, "name": "bench-sse", "models": [MODEL + "-sse"], "endpoints": [{**cluster["endpoints"][0], "url": f"http://127.0.0.1:{sse_port}"}]}
+        config["clusters"] = [{**cluster, "models": [MODEL + "-json"]}, sse_cluster]
+        config["listen"]["workers"] = workers
+        path = os.path.join(tmp, f"{key}.yaml")
+        with open(path, "w") as fh:
+            yaml.safe_dump(config, fh)
+        gw = Child(key, pinned(f"{GATEWAY_CORE},{OTHER_CORE}", [PY, "-m", "gateway", "serve", "--config", path]), tmp, gateway_root)
+        children.append(gw)
+        gw.wait_http(port, "/readyz")
+        deadline = time.monotonic() + 30
+        while workers > 1 and f"edgegw_workers_scraped {workers:.1f}" not in _get(port, "/metrics"):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{key}: its {workers} workers did not all start")
+            time.sleep(0.1)
+        targets[key] = Target(key, port, gw)
+    return children, upstream, targets
+
+
+def measure_native_workers(targets: dict[str, Target], upstream: Child, reps: int, wrk: str, tmp: str, seconds: float) -> dict:
+    results: dict = collections.defaultdict(lambda: collections.defaultdict(list))
+    for rep in range(reps):
+        for target in targets.values():
+            for load, conc, _n, stream in WORKER_LOADS:
+                run_wrk(wrk, target.port, conc, 1.0, stream, tmp)  # warm-up: connections, pools
+                gw0, up0 = target.gateway.cpu(), upstream.cpu()
+                s = run_wrk(wrk, target.port, conc, seconds, stream, tmp)
+                s["gateway_cores"] = (target.gateway.cpu() - gw0) / s["wall"]
+                s["upstream_cores"] = (upstream.cpu() - up0) / s["wall"]
+                results[target.key][load].append(s)
+                print(
+                    f"rep {rep + 1} {target.key:9} {load:8} n={s.get('requests', 0):6} err={s['errors']} {s['rps']:8.0f}/s "
+                    f"p50 {s.get('p50_ms', float('nan')):.2f} p99 {s.get('p99_ms', float('nan')):.2f} ms "
+                    f"cores: gateway {s['gateway_cores']:.2f} upstream {s['upstream_cores']:.2f} load generator {s['loadgen_cores']:.2f}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    return results
+
+
 def _get(port: int, path: str) -> str:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
     try:
@@ -595,12 +759,12 @@ async def measure_workers(targets: dict[str, Target], upstream: Child, reps: int
     return results
 
 
-def report_workers(results: dict, command: str, reps: int, revision: str) -> str:
+def report_workers(results: dict, command: str, reps: int, revision: str, peers: str = "the fast upstream and the load generator") -> str:
     out = [
         f"Command: `{command}`  ",
         f"Gateway code: {revision}  ",
-        f"Medians over {reps} repetition(s). Both gateways may use cores {GATEWAY_CORE} and {OTHER_CORE}; the fast "
-        f"upstream and the load generator are pinned to core {OTHER_CORE}. CPU in cores busy during the load.",
+        f"Medians over {reps} repetition(s). Both gateways may use cores {GATEWAY_CORE} and {OTHER_CORE}; "
+        f"{peers} are pinned to core {OTHER_CORE}. CPU in cores busy during the load.",
         "",
         "| load | workers | req/s (streams/s) | × 1 worker | gateway CPU | upstream CPU | load generator CPU | failed |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
@@ -873,6 +1037,11 @@ def main() -> int:
     parser.add_argument("--profile-seconds", type=float, default=12)
     parser.add_argument("--profile-only", action="store_true", help="skip the measurements, only profile")
     parser.add_argument("--workers", action="store_true", help="instead: listen.workers 1 against 2 (req/s and CPU)")
+    parser.add_argument(
+        "--native-peers",
+        action="store_true",
+        help="with --workers: wrk as the load generator and nginx as the upstream (apt-get install wrk nginx)",
+    )
     parser.add_argument("--nginx", action="store_true", help="also nginx as a reference proxy (apt-get install nginx)")
     parser.add_argument(
         "--gateway-root",
@@ -916,9 +1085,19 @@ def main() -> int:
     children: list[Child] = []
     if args.workers:
         try:
-            children, upstream, targets = start_worker_gateways(tmp, gateway_root)
-            results = runner(measure_workers(targets, upstream, reps, scale))
-            print(report_workers(results, command, reps, revision))
+            if args.native_peers:
+                nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
+                wrk = shutil.which("wrk")
+                if nginx is None or wrk is None:
+                    print("--native-peers: needs wrk and nginx (apt-get install wrk nginx)", file=sys.stderr)
+                    return 2
+                children, upstream, targets = start_native_worker_gateways(tmp, gateway_root, nginx)
+                results = measure_native_workers(targets, upstream, reps, wrk, tmp, NATIVE_SECONDS * (0.5 if args.quick else 1.0))
+                print(report_workers(results, command, reps, revision, "nginx (the upstream) and wrk (the load generator)"))
+            else:
+                children, upstream, targets = start_worker_gateways(tmp, gateway_root)
+                results = runner(measure_workers(targets, upstream, reps, scale))
+                print(report_workers(results, command, reps, revision))
             if args.json:
                 with open(args.json, "w") as fh:
                     json.dump({"command": command, "reps": reps, "results": results}, fh, indent=1)
