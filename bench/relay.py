@@ -464,9 +464,9 @@ http {{
 
 
 def start_processes(
-    tmp: str, with_h2: bool, gateway_root: str, with_traces: bool = False, nginx: str | None = None
-) -> tuple[list[Child], dict[str, Target]]:
-    children: list[Child] = []
+    tmp: str, children: list[Child], with_h2: bool, gateway_root: str, with_traces: bool = False, nginx: str | None = None
+) -> dict[str, Target]:
+    """The upstreams, the gateways (and nginx), each added to ``children`` as it starts."""
     targets: dict[str, Target] = {}
 
     def child(name: str, core: int, argv: list[str], cwd: str = ROOT) -> Child:
@@ -503,7 +503,7 @@ def start_processes(
         gw = child(key, GATEWAY_CORE, [PY, "-m", "gateway", "serve", "--config", path], cwd=gateway_root)
         gw.wait_http(port, "/readyz")
         targets[key] = Target(key, port, gw)
-    return children, targets
+    return targets
 
 
 async def measure(targets: dict[str, Target], reps: int, scale: float) -> dict:
@@ -541,10 +541,9 @@ async def measure(targets: dict[str, Target], reps: int, scale: float) -> dict:
 WORKER_LOADS = [("json-c64", 64, 6400, False), ("sse-c64", 64, 640, True)]
 
 
-def start_worker_gateways(tmp: str, gateway_root: str) -> tuple[list[Child], Child, dict[str, Target]]:
+def start_worker_gateways(tmp: str, gateway_root: str, children: list[Child]) -> tuple[Child, dict[str, Target]]:
     """The fast upstream (core 1), and a gateway with ``listen.workers: 1`` and one with 2,
-    each allowed on both cores."""
-    children: list[Child] = []
+    each allowed on both cores (added to ``children`` as they start)."""
     targets: dict[str, Target] = {}
     fast_port = free_port()
     fast = Child("fast-upstream", pinned(OTHER_CORE, [PY, "bench/fast_upstream.py", "--port", str(fast_port), "--tokens", str(TOKENS), "--model", MODEL]), tmp)
@@ -567,7 +566,7 @@ def start_worker_gateways(tmp: str, gateway_root: str) -> tuple[list[Child], Chi
                 raise RuntimeError(f"{key}: its {workers} workers did not all start")
             time.sleep(0.1)
         targets[key] = Target(key, port, gw)
-    return children, fast, targets
+    return fast, targets
 
 
 # -- listen.workers with peers outside the interpreter: wrk and nginx ---------------------
@@ -669,10 +668,9 @@ def _wrk_ms(text: str) -> float:
     return float(text)
 
 
-def start_native_worker_gateways(tmp: str, gateway_root: str, nginx: str) -> tuple[list[Child], Child, dict[str, Target]]:
+def start_native_worker_gateways(tmp: str, gateway_root: str, nginx: str, children: list[Child]) -> tuple[Child, dict[str, Target]]:
     """nginx as the upstream (core 1), and gateways with ``listen.workers: 1`` and 2 on
     both cores, with one cluster per answer kind (model ``bench-model-json`` / ``-sse``)."""
-    children: list[Child] = []
     targets: dict[str, Target] = {}
     json_port, sse_port = free_port(), free_port()
     conf = os.path.join(tmp, "nginx-upstream.conf")
@@ -701,7 +699,7 @@ def start_native_worker_gateways(tmp: str, gateway_root: str, nginx: str) -> tup
                 raise RuntimeError(f"{key}: its {workers} workers did not all start")
             time.sleep(0.1)
         targets[key] = Target(key, port, gw)
-    return children, upstream, targets
+    return upstream, targets
 
 
 def measure_native_workers(targets: dict[str, Target], upstream: Child, reps: int, wrk: str, tmp: str, seconds: float) -> dict:
@@ -964,12 +962,12 @@ def _short(frame: str) -> str:
     return f"{name} ({path})" if path else name
 
 
-async def profile(targets: dict[str, Target], seconds: float, tmp: str) -> str:
+async def profile(targets: dict[str, Target], seconds: float, tmp: str, key: str = "gw-h1") -> str:
     spy = py_spy()
     if spy is None:
         return "py-spy not found: `.venv/bin/pip install py-spy`"
-    gw = targets["gw-h1"]
-    out = []
+    gw = targets[key]
+    out = [f"## {key}", ""]
     loads = (
         ("non-streaming c=16", 16, False, 0.0, "json-c16"),
         ("SSE c=64", 64, True, 0.0, "sse-c64"),
@@ -1002,7 +1000,7 @@ async def profile(targets: dict[str, Target], seconds: float, tmp: str) -> str:
             out.append(f"py-spy failed: {err.decode(errors='replace')[-500:]}")
         else:
             out.append(profile_summary(raw))
-            keep = os.path.join(tempfile.gettempdir(), f"edgegw-relay-profile-{name}.txt")
+            keep = os.path.join(tempfile.gettempdir(), f"edgegw-relay-profile-{key}-{name}.txt")
             shutil.copy(raw, keep)
             out.append("")
             out.append(f"(raw stacks: {keep})")
@@ -1036,6 +1034,7 @@ def main() -> int:
     parser.add_argument("--profile", action="store_true", help="then py-spy the h1 gateway under json c=16 and SSE c=64")
     parser.add_argument("--profile-seconds", type=float, default=12)
     parser.add_argument("--profile-only", action="store_true", help="skip the measurements, only profile")
+    parser.add_argument("--profile-h2", action="store_true", help="profile the HTTP/2 gateway (hypercorn upstream) instead")
     parser.add_argument("--workers", action="store_true", help="instead: listen.workers 1 against 2 (req/s and CPU)")
     parser.add_argument(
         "--native-peers",
@@ -1068,7 +1067,7 @@ def main() -> int:
     except ImportError:
         runner = asyncio.run
 
-    with_h2 = not args.no_h2 and not args.profile_only
+    with_h2 = (not args.no_h2 and not args.profile_only) or args.profile_h2
     if with_h2:
         try:
             import hypercorn  # noqa: F401
@@ -1091,11 +1090,11 @@ def main() -> int:
                 if nginx is None or wrk is None:
                     print("--native-peers: needs wrk and nginx (apt-get install wrk nginx)", file=sys.stderr)
                     return 2
-                children, upstream, targets = start_native_worker_gateways(tmp, gateway_root, nginx)
+                upstream, targets = start_native_worker_gateways(tmp, gateway_root, nginx, children)
                 results = measure_native_workers(targets, upstream, reps, wrk, tmp, NATIVE_SECONDS * (0.5 if args.quick else 1.0))
                 print(report_workers(results, command, reps, revision, "nginx (the upstream) and wrk (the load generator)"))
             else:
-                children, upstream, targets = start_worker_gateways(tmp, gateway_root)
+                upstream, targets = start_worker_gateways(tmp, gateway_root, children)
                 results = runner(measure_workers(targets, upstream, reps, scale))
                 print(report_workers(results, command, reps, revision))
             if args.json:
@@ -1107,7 +1106,7 @@ def main() -> int:
             shutil.rmtree(tmp, ignore_errors=True)
         return 0
     try:
-        children, targets = start_processes(tmp, with_h2, gateway_root, args.traces and not args.profile_only, nginx)
+        targets = start_processes(tmp, children, with_h2, gateway_root, args.traces and not args.profile_only, nginx)
         if not args.profile_only:
             results = runner(measure(targets, reps, scale))
             peaks = {t.key: t.gateway.peak_rss() for t in targets.values() if t.gateway}
@@ -1117,7 +1116,7 @@ def main() -> int:
                     json.dump({"command": command, "reps": reps, "results": results, "peak_rss": peaks}, fh, indent=1)
         if args.profile or args.profile_only:
             print()
-            print(runner(profile(targets, args.profile_seconds, tmp)))
+            print(runner(profile(targets, args.profile_seconds, tmp, "gw-h2" if args.profile_h2 else "gw-h1")))
     except BaseException:
         for c in children:
             c.log.flush()
