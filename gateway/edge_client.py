@@ -32,7 +32,7 @@ import logging
 import math
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import orjson
 
@@ -112,15 +112,32 @@ class EngineStreamReply(Reply):
     async def next_events(self) -> bytes | None:
         while True:
             events = await self._reader.next()
-            if not events or _STAGES_COMMENT not in events:
+            if not events:
                 return events
-            match = _STAGES_EVENT.search(events)
-            if match is None:
-                return events
-            self.stages = _stages(match.group(1))
-            events = events[: match.start()] + events[match.end() :]
+            events = self._take_stages(events)
             if events:
                 return events
+
+    def hand_over(self, on_events: Callable[[bytes], None] | None) -> bool:
+        if on_events is None:
+            return self._reader.hand_over(None)
+
+        def arrived(events: bytes) -> None:
+            events = self._take_stages(events)
+            if events:
+                on_events(events)
+
+        return self._reader.hand_over(arrived)
+
+    def _take_stages(self, events: bytes) -> bytes:
+        """``events`` without the engine's stage comment, whose times are kept in ``stages``."""
+        if _STAGES_COMMENT not in events:
+            return events
+        match = _STAGES_EVENT.search(events)
+        if match is None:
+            return events
+        self.stages = _stages(match.group(1))
+        return events[: match.start()] + events[match.end() :]
 
     @property
     def in_event(self) -> bool:
