@@ -206,9 +206,14 @@ class Meter:
         self._last = 0.0
         self._usage = answer.hide_usage or ctx.wants_usage
 
-    def note(self) -> None:
+    def note(self, events: bytes) -> None:
+        """A run of events is on its way: the first is the TTFT; after it, a run that
+        carries a generated token (not ``[DONE]``, a usage chunk or a finish-only chunk,
+        however the upstream's writes were split or merged) is a token and a gap."""
         now = time.perf_counter()
         if self._last:
+            if b'"finish_reason":null' not in events and not _carries_token(events):
+                return
             gap = now - self._last
             self.series.gap.observe(gap)
             self.ctx.gaps.append(gap)
@@ -257,7 +262,7 @@ async def measured(
             ctx.tokens = meter.chunks
             ctx.timing.mark("decode")
             return
-        meter.note()
+        meter.note(events)
         if recorder is not None:
             await recorder.feed(events)
         yield meter.usage(events)
@@ -292,7 +297,7 @@ class Splice:
 
     def _events(self, events: bytes) -> None:
         meter = self.meter
-        meter.note()
+        meter.note(events)
         events = meter.usage(events)
         if events and not self.writer.write(events):
             self.stop()  # the client is behind: the task takes over until it has caught up
@@ -313,6 +318,18 @@ class BodyWriter(Protocol):
 
 # The scope key of a listener that offers a ``BodyWriter`` (gateway.ingress.http1).
 WRITER = "edgegw.writer"
+
+
+def _carries_token(events: bytes) -> bool:
+    """Whether a run of events holds a generated token: anything but ``[DONE]``, a usage
+    chunk (no choices) or a final chunk with an empty delta or text."""
+    for payload in sse_payloads(events):
+        if payload == b"[DONE]" or b'"choices":[]' in payload:
+            continue
+        if b'"finish_reason":"' in payload and (b'"delta":{}' in payload or b'"text":""' in payload):
+            continue
+        return True
+    return False
 
 
 def _take_usage(ctx: RequestContext, events: bytes, hide: bool) -> bytes:

@@ -388,6 +388,21 @@ async def test_a_splice_refuses_an_endless_event_through_the_task():
         await reader.next()
 
 
+async def test_a_token_and_a_gap_are_counted_for_runs_that_carry_a_token():
+    """However the upstream's writes split or merge its events, ``[DONE]``, a usage chunk
+    and a finish-only chunk are no tokens, so TPOT and the gaps do not depend on them."""
+    _, _, _, meter, series = spliced(_Writer())
+    content = b'data: {"choices":[{"index":0,"delta":{"content":"a"},"finish_reason":null}]}\n\n'
+    spaced = b'data: {"choices": [{"index": 0, "text": "b", "finish_reason": null}]}\n\n'
+    finish = b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
+    usage = b'data: {"choices":[],"usage":{"total_tokens":3}}\n\n'
+    last_with_finish = b'data: {"choices":[{"index":0,"delta":{"content":"c"},"finish_reason":"length"}]}\n\n'
+    for run in [content, spaced, finish, usage, DONE, finish + usage + DONE, last_with_finish + DONE]:
+        meter.note(run)
+    assert meter.chunks == 3  # the first (TTFT), the spaced one, and the last content run
+    assert len(series.ttft.values) == 1 and len(series.gap.values) == 2
+
+
 def test_sse_events_are_spliced_on_the_http1_listener(setup, monkeypatch):
     """Through a real gateway and listener: events go from the upstream's callback to the
     client's socket (``Splice``), byte for byte as the upstream sent them, each measured."""
