@@ -11,7 +11,8 @@ The one-way data path, one module per step::
                              edge_client.py: the node's engine process), probes, discovery;
                              HealthFeed, the one place routing's health is fed
            ─► replies.py     the Reply a request gets, whatever produced it
-           ─► relay.py       SSE / WebSocket framing, measured events, keep-alives
+           ─► relay.py       SSE / WebSocket framing, measured events, keep-alives; the
+                             splice (events from the upstream's callback to the socket)
     client ◄─
 
 ``app.py`` builds it all (``create_app``) and owns the lifespan; ``settings.py`` reads the

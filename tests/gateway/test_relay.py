@@ -253,7 +253,7 @@ def test_http2_goaway_is_survived(upstreams, gateways):
 # -- EventReader: an upstream's bytes cut at event boundaries --------------------------------
 
 
-def reader_over(high_water: int = 1 << 20, ping: float = 0.05, timeout: float = 0.2, max_event: int = 64):
+def reader_over(high_water: int = 1 << 20, ping: float = 0.05, timeout: float = 0.2, max_event: int = 1 << 20):
     body = Body(asyncio.get_running_loop(), high_water, None, lambda n: None)
     return body, EventReader(body, ping, timeout, max_event)
 
@@ -347,13 +347,19 @@ async def test_a_splice_writes_whole_events_as_they_arrive_and_notes_each():
     body, reader, splice, meter, series = spliced(writer)
     splice.start()
     assert splice.on
-    body.feed(b"data: one\n\ndata: tw")  # no read: the producer's own call writes
+    body.feed(b"data: one\n\ndata: tw")  # no read: the producer's own call hands it over
+    await asyncio.sleep(0)  # written at the end of the loop turn
     assert writer.written == [b"data: one\n\n"]
     assert reader.in_event  # the half event is kept: no comment may go in now
     body.feed(b"o\n\n")
-    assert writer.written == [b"data: one\n\n", b"data: two\n\n"]
-    assert body.buffered == 0 and meter.chunks == 2
-    assert len(series.ttft.values) == 1 and len(series.gap.values) == 1
+    body.feed(b"data: three\n\n")  # two chunks of one read: one write
+    await asyncio.sleep(0)
+    assert writer.written == [b"data: one\n\n", b"data: two\n\ndata: three\n\n"]
+    assert body.buffered == 0 and meter.chunks == 3
+    assert len(series.ttft.values) == 1 and len(series.gap.values) == 2
+    big = b"data: " + b"x" * (64 * 1024) + b"\n\n"
+    body.feed(big)  # past 64 KiB: written at once, memory stays bounded within a turn
+    assert writer.written[-1] == big
     body.feed_eof()
     assert await reader.next() == b""  # the task wakes only for the end
 
@@ -363,7 +369,9 @@ async def test_a_splice_gives_the_stream_back_when_the_client_is_behind():
     body, reader, splice, meter, _ = spliced(writer)
     splice.start()
     body.feed(b"data: 1\n\n")
-    body.feed(b"data: 2\n\n")  # the client's socket is full now
+    await asyncio.sleep(0)
+    body.feed(b"data: 2\n\n")
+    await asyncio.sleep(0)  # the client's socket is full now
     assert not splice.on
     body.feed(b"data: 3\n\n")  # kept in the bounded body, for the task to relay
     assert writer.written == [b"data: 1\n\n", b"data: 2\n\n"]
@@ -375,6 +383,7 @@ async def test_a_splice_gives_the_stream_back_when_the_client_is_behind():
     splice.start()
     assert splice.on
     body.feed(b"data: 4\n\n")
+    splice.stop()  # what it holds is written before the task writes anything
     assert writer.written[-1] == b"data: 4\n\n" and body.buffered == 0
 
 
