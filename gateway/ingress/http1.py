@@ -27,6 +27,8 @@ callable there: no task per request waits on ``receive`` for the disconnect.
 
 from __future__ import annotations
 
+import weakref
+
 import httptools
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -81,6 +83,10 @@ class H1Protocol(HttpToolsProtocol):
             gone = cycle.scope.get(ON_GONE)
             if gone is not None:
                 gone()
+        # the references between this protocol, its deadline and its last request's cycle
+        # would leave the connection's objects to the garbage collector: freed now instead
+        self.cycle = None
+        self._deadline.protocol = None
 
     def _arm(self) -> None:
         self._deadline.at = self._dog.loop.time() + self.limits.header_timeout_s
@@ -204,16 +210,19 @@ class _ChunkWriter:
     socket, framed as uvicorn's ``send`` frames it (chunked transfer encoding), with no
     ASGI message and no task in between. ``send`` still starts and ends the response."""
 
-    __slots__ = ("cycle",)
+    __slots__ = ("_cycle",)
 
     def __init__(self, cycle) -> None:
-        self.cycle = cycle
+        # weakly: the cycle's scope holds this writer, and a strong reference would make
+        # every request a reference cycle that only the garbage collector frees
+        self._cycle = weakref.ref(cycle)
 
     @property
     def writable(self) -> bool:
-        cycle = self.cycle
+        cycle = self._cycle()
         return (
-            cycle.chunked_encoding is True
+            cycle is not None
+            and cycle.chunked_encoding is True
             and cycle.response_started
             and not cycle.response_complete
             and not cycle.disconnected
@@ -221,8 +230,8 @@ class _ChunkWriter:
         )
 
     def write(self, data: bytes) -> bool:
-        cycle = self.cycle
-        if cycle.disconnected or cycle.response_complete:
+        cycle = self._cycle()
+        if cycle is None or cycle.disconnected or cycle.response_complete:
             return False
         cycle.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
         return not cycle.flow.write_paused
@@ -232,14 +241,15 @@ class _HeadDeadline(Watch):
     __slots__ = ("protocol", "at")
 
     def __init__(self, protocol: H1Protocol) -> None:
-        self.protocol = protocol
+        self.protocol: H1Protocol | None = protocol
         self.at = 0.0
 
     def overdue(self, now: float) -> bool:
         return now >= self.at
 
     def expire(self) -> None:
-        self.protocol.head_timed_out()
+        if self.protocol is not None:
+            self.protocol.head_timed_out()
 
 
 def _error_body(status: int, code: str, message: str) -> bytes:

@@ -3,6 +3,8 @@ each is answered in OpenAI-shaped JSON and closed, and nobody else notices."""
 
 from __future__ import annotations
 
+import collections
+import gc
 import json
 import socket
 import time
@@ -156,3 +158,31 @@ def test_past_max_connections_a_client_gets_a_json_503_with_retry_after(upstream
             client.close()
     time.sleep(0.2)
     assert httpx.get(gw.url + "/healthz").status_code == 200
+
+
+def test_requests_and_their_connection_leave_nothing_to_the_garbage_collector(gw):
+    """Every request's objects are freed when it ends, and a connection's when it closes:
+    none waits in a reference cycle for the collector (whose passes over many such
+    objects cost the hot path more than the request itself)."""
+    with httpx.Client() as client:  # warm: pools, caches, lazily built objects
+        for stream in (False, True):
+            client.post(gw.url + "/v1/chat/completions", json={**CHAT, "stream": stream})
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        with httpx.Client() as client:
+            for stream in (False, True) * 10:
+                assert client.post(gw.url + "/v1/chat/completions", json={**CHAT, "stream": stream}).status_code == 200
+        time.sleep(0.2)  # the gateway's side of the closed connection
+        gc.collect()
+        ours = collections.Counter(
+            f"{type(o).__module__}.{type(o).__qualname__}"
+            for o in gc.garbage
+            if type(o).__module__.split(".")[0] in ("gateway", "routing", "cache")
+        )
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert not ours, ours
