@@ -33,6 +33,7 @@ from routing import ClusterSpec, RoutingConfig, RoutingTable, TableError
 
 __all__ = [
     "ConfigError",
+    "cpu_set",
     "ListenSettings",
     "TLSListenSettings",
     "HTTP3ListenSettings",
@@ -222,6 +223,16 @@ class EdgeSettings(_Model):
     enable_prefix_caching: bool = _ENGINE["enable_prefix_caching"]  # share KV blocks of repeated prefixes
     num_threads: int | None = _ENGINE["num_threads"]  # torch CPU threads; null: torch's default
     process: bool = False  # run the engine in a process of its own (always so with listen.workers > 1)
+    # with the engine in its own process: the CPUs it runs on, a Linux CPU list ("0-3,8");
+    # the relay workers then run on the others (null: everyone shares every CPU)
+    cpus: str | None = None
+
+    @field_validator("cpus")
+    @classmethod
+    def _cpu_list(cls, value: str | None) -> str | None:
+        if value is not None:
+            cpu_set(value)  # raises ValueError on a malformed list
+        return value
 
     @property
     def served_name(self) -> str:
@@ -418,6 +429,16 @@ class Settings(_Model):
             raise ValueError(f"duplicate or reserved tenant names: {', '.join(duplicates)}")
         return self
 
+    @property
+    def engine_in_own_process(self) -> bool:
+        return self.edge.enabled and (self.edge.process or self.listen.workers > 1)
+
+    @model_validator(mode="after")
+    def _engine_cpus_need_its_process(self) -> Settings:
+        if self.edge.cpus is not None and self.edge.enabled and not self.engine_in_own_process:
+            raise ValueError("edge.cpus pins the engine's own process: set edge.process: true or listen.workers > 1")
+        return self
+
     @model_validator(mode="after")
     def _routing_matches_clusters(self) -> Settings:
         specs = [ClusterSpec(c.name, c.models, tuple(e.url for e in c.endpoints)) for c in self.clusters]
@@ -427,6 +448,17 @@ class Settings(_Model):
         except TableError as exc:
             raise ValueError(f"routing does not match the clusters: {exc}") from None
         return self
+
+
+def cpu_set(cpus: str) -> frozenset[int]:
+    """The CPUs of a Linux CPU list such as ``"0-3,8,10-11"`` (as ``taskset -c`` reads it)."""
+    result: set[int] = set()
+    for part in cpus.replace(" ", "").split(","):
+        first, dash, last = part.partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()) or (dash and int(last) < int(first)):
+            raise ValueError(f"not a CPU list: {cpus!r} (e.g. \"0-3,8\")")
+        result.update(range(int(first), int(last if dash else first) + 1))
+    return frozenset(result)
 
 
 def endpoint_api_key(endpoint: EndpointSettings) -> str | None:

@@ -10,7 +10,8 @@ of the node's one edge engine process.
   in that slot's backlog instead of being refused;
 - with the edge engine enabled, it starts the engine in a process of its own, listening on
   ``engine.sock`` in the node's private run directory, and waits until it answers before
-  starting the workers (weights and KV cache exist once per node, whatever N is);
+  starting the workers (weights and KV cache exist once per node, whatever N is); with
+  ``edge.cpus`` the engine runs on those CPUs and the workers on the others;
 - it starts each worker (``multiprocessing``'s spawn: a fresh interpreter, nothing
   inherited but the settings and the slot's socket), which runs the same app under uvicorn
   (``gateway.cli.uvicorn_config``);
@@ -49,9 +50,9 @@ from multiprocessing.connection import wait
 from uvicorn.config import STARTUP_FAILURE
 
 from gateway.node import Node
-from gateway.settings import Settings
+from gateway.settings import Settings, cpu_set
 
-__all__ = ["Supervisor", "bind_slots", "run_engine"]
+__all__ = ["Supervisor", "bind_slots", "run_engine", "split_cpus"]
 
 logger = logging.getLogger("edgegw.workers")
 
@@ -108,24 +109,48 @@ def run_engine(settings: Settings, path: str) -> None:
     uvicorn.Server(config).run()
 
 
-def _child_main(target: Callable, *args) -> None:
-    """A child's first step: a process group of its own, and SIGTERM when the parent dies;
-    then ``target(*args)``."""
+def _child_main(target: Callable, cpus: frozenset[int] | None, *args) -> None:
+    """A child's first step: a process group of its own, SIGTERM when the parent dies, and
+    its CPUs (``cpus``; None: the parent's); then ``target(*args)``."""
     os.setpgrp()
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     if os.getppid() == 1:
         return  # the parent died before the line above
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)  # before torch sizes its thread pool
     target(*args)
+
+
+def split_cpus(settings: Settings) -> tuple[frozenset[int] | None, frozenset[int] | None]:
+    """(the engine's CPUs, the relay workers' CPUs) from ``edge.cpus``, within the CPUs this
+    process may use; (None, None) when the engine is not pinned. Raises ``ValueError`` when
+    ``edge.cpus`` names CPUs this process may not use."""
+    if settings.edge.cpus is None or not settings.engine_in_own_process:
+        return None, None
+    allowed = frozenset(os.sched_getaffinity(0))
+    engine = cpu_set(settings.edge.cpus)
+    if not engine <= allowed:
+        raise ValueError(f"edge.cpus {settings.edge.cpus!r}: this process may run on CPUs {_cpu_list(allowed)} only")
+    relay = allowed - engine
+    if not relay:
+        logger.warning("edge.cpus takes every CPU this process may use: the relay workers share them")
+        return engine, None
+    return engine, relay
+
+
+def _cpu_list(cpus: frozenset[int]) -> str:
+    return ",".join(str(c) for c in sorted(cpus))
 
 
 class _Child:
     """One supervised process slot: what it runs, its current process and its back-off."""
 
-    def __init__(self, name: str, target: Callable, args: tuple, heartbeat=None) -> None:
+    def __init__(self, name: str, target: Callable, args: tuple, heartbeat=None, cpus: frozenset[int] | None = None) -> None:
         self.name = name
         self.target = target
         self.args = args
+        self.cpus = cpus  # where it runs (None: wherever the parent may)
         self.heartbeat = heartbeat  # a shared double: its event loop's last beat (gateway.node.Node.beat)
         self.process: multiprocessing.process.BaseProcess | None = None
         self.started_at = 0.0
@@ -135,7 +160,7 @@ class _Child:
     def start(self, context) -> None:
         if self.heartbeat is not None:
             self.heartbeat.value = 0.0
-        self.process = context.Process(target=_child_main, args=(self.target, *self.args), name=f"edgegw {self.name}")
+        self.process = context.Process(target=_child_main, args=(self.target, self.cpus, *self.args), name=f"edgegw {self.name}")
         self.process.start()
         self.started_at = time.monotonic()
         self.restart_at = None
@@ -221,10 +246,20 @@ class Supervisor:
     def _supervise(self, rundir: str, slots: list[socket.socket], port: int) -> int:
         settings = self.settings
         workers = settings.listen.workers
+        try:
+            engine_cpus, relay_cpus = split_cpus(settings)
+        except ValueError as exc:
+            logger.error("%s", exc)
+            return 1
+        if engine_cpus is not None:
+            logger.info(
+                "edge engine on CPUs %s, relay workers on %s",
+                _cpu_list(engine_cpus), "the same" if relay_cpus is None else _cpu_list(relay_cpus),
+            )
         engine = None
         if settings.edge.enabled:
             path = Node(0, workers, rundir).engine_socket
-            engine = _Child("edge engine", run_engine, (settings, path))
+            engine = _Child("edge engine", run_engine, (settings, path), cpus=engine_cpus)
             engine.start(self.context)
             if not self._wait_for_engine(engine, path):
                 self._terminate([engine])
@@ -232,7 +267,7 @@ class Supervisor:
         children = []
         for i in range(workers):
             node = Node(i, workers, rundir, self.context.RawValue("d", 0.0))
-            children.append(_Child(f"worker {i}", self.worker, (settings, node, slots[i]), node.heartbeat))
+            children.append(_Child(f"worker {i}", self.worker, (settings, node, slots[i]), node.heartbeat, relay_cpus))
         for child in children:
             child.start(self.context)
         logger.info("edgegw: %d worker(s) on http://%s:%d", workers, settings.listen.host, port)

@@ -16,8 +16,8 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.settings import ListenSettings
-from gateway.workers import bind_slots
+from gateway.settings import ListenSettings, Settings, cpu_set
+from gateway.workers import bind_slots, split_cpus
 from tests.conftest import GatewayProcess, cluster
 from tests.fakes import free_port
 from tests.fakes_h3 import client_pool, fetch, free_udp_port
@@ -73,6 +73,24 @@ def test_listen_workers_is_a_number_or_auto(value, expected):
 def test_listen_workers_refuses_anything_else(value):
     with pytest.raises(ValueError, match="workers"):
         ListenSettings(workers=value)
+
+
+def test_edge_cpus_is_a_cpu_list_for_an_engine_in_its_own_process():
+    assert cpu_set("0-3,8, 10-11") == {0, 1, 2, 3, 8, 10, 11}
+    for bad in ("", "a", "3-1", "1-", "-2"):
+        with pytest.raises(ValueError, match="not a CPU list"):
+            cpu_set(bad)
+    with pytest.raises(ValueError, match="CPU list"):
+        Settings.model_validate({"edge": {"enabled": True, "process": True, "cpus": "one"}})
+    with pytest.raises(ValueError, match="edge.cpus pins the engine's own process"):
+        Settings.model_validate({"edge": {"enabled": True, "cpus": "0"}})  # the engine in-process: nothing to pin
+    allowed = sorted(os.sched_getaffinity(0))
+    pinned = Settings.model_validate({"listen": {"workers": 2}, "edge": {"enabled": True, "cpus": str(allowed[0])}})
+    engine, relay = split_cpus(pinned)
+    assert engine == {allowed[0]} and relay == (set(allowed[1:]) or None)
+    elsewhere = Settings.model_validate({"edge": {"enabled": True, "process": True, "cpus": "4096"}})
+    with pytest.raises(ValueError, match="may run on CPUs"):
+        split_cpus(elsewhere)
 
 
 def test_the_slots_share_one_port():
@@ -216,6 +234,19 @@ def test_two_workers_share_one_engine_process_and_a_client_gone_aborts_its_seque
 
 def samples(text: str, name: str) -> list:
     return [s for family in text_string_to_metric_families(text) for s in family.samples if s.name == name]
+
+
+def test_edge_cpus_pins_the_engine_and_gives_the_workers_the_other_cpus(gateway_processes, tiny_model):
+    allowed = sorted(os.sched_getaffinity(0))
+    relay = set(allowed[:-1]) or set(allowed)  # on one CPU the workers share it
+    gw = gateway_processes({"listen": {"workers": 2}, "edge": {**EDGE, "model": tiny_model, "cpus": str(allowed[-1])}})
+    pids = worker_pids(gw, 2)
+    [engine] = re.findall(r"edge engine started \(pid (\d+)\)", gw.log.read_text())
+    assert os.sched_getaffinity(int(engine)) == {allowed[-1]}
+    wait_for(lambda: all(os.sched_getaffinity(pid) == relay for pid in pids.values()), 10)  # once each has started
+    assert os.sched_getaffinity(gw.proc.pid) == set(allowed)  # the parent stays as it was
+    answer = httpx.post(gw.url + "/v1/chat/completions", json={**LONG, "stream": False, "max_tokens": 2}, timeout=30)
+    assert answer.status_code == 200, answer.text
 
 
 def test_metrics_counts_the_requests_of_every_worker(upstreams, gateway_processes):
