@@ -8,9 +8,11 @@ Processes (each started here, stopped here by PID; traffic only on 127.0.0.1):
   cluster;
 - the gateway, ``python -m gateway serve``, with that cluster and the embedded SmolLM2 as its
   edge engine (``edge.num_threads: 1``, so that the engine leaves a core to the relay),
-  twice: the engine **in-process** (``edge.process: false``, its step thread shares the
-  relay's interpreter) and in a **process of its own** (``edge.process: true``, reached over
-  a Unix socket).
+  three times: the engine **in-process** (``edge.process: false``, its step thread shares
+  the relay's interpreter), in a **process of its own** (``edge.process: true``, reached
+  over a Unix socket), and in its own process on a **CPU of its own** (``edge.cpus``: the
+  last CPU, the relay worker on the others; the upstream and this load generator are then
+  held to the relay's CPUs too, in both phases, so that only the engine's work differs).
 
 For each, this process sends non-streaming requests to the cluster's model through the
 gateway, ``--concurrency`` at a time (closed loop, loadgen's raw client) for ``--seconds``,
@@ -45,10 +47,12 @@ MODEL = "fake-model"
 BODY = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).encode()
 
 
-def gateway_config(port: int, upstream: int, process: bool) -> dict:
+def gateway_config(port: int, upstream: int, process: bool, engine_cpus: str | None = None) -> dict:
     edge = {"enabled": True, "num_threads": 1, "max_num_seqs": 32}
     if process:
         edge["process"] = True
+    if engine_cpus is not None:
+        edge["cpus"] = engine_cpus
     return {
         "listen": {"host": "127.0.0.1", "port": port, "log_level": "warning"},
         "cache": {"backend": "off"},
@@ -97,9 +101,26 @@ def edge_running(url: str) -> float:
     return 0.0
 
 
-def measure(process: bool, upstream: int, args, workdir: str) -> dict:
+def measure(mode: str, upstream: subprocess.Popen, upstream_port: int, args, workdir: str) -> dict:
+    """One gateway in ``mode`` (``in-process``, ``own process``, or ``own CPU``: the engine's
+    process on the last CPU by ``edge.cpus``, and the relay worker, the upstream and this
+    load generator on the others, in both phases), idle then busy."""
     port = free_port()
-    gw = start_ready(gateway_config(port, upstream, process), port, workdir)
+    allowed = sorted(os.sched_getaffinity(0))
+    engine_cpu = allowed[-1] if mode == "own CPU" else None
+    relay = set(allowed[:-1]) if engine_cpu is not None and len(allowed) > 1 else set(allowed)
+    config = gateway_config(port, upstream_port, mode != "in-process", None if engine_cpu is None else str(engine_cpu))
+    gw = start_ready(config, port, workdir)  # on every CPU: edge.cpus splits them between its processes
+    os.sched_setaffinity(0, relay)
+    os.sched_setaffinity(upstream.pid, relay)
+    try:
+        return _phases(mode, gw, port, args)
+    finally:
+        os.sched_setaffinity(0, allowed)
+        os.sched_setaffinity(upstream.pid, allowed)
+
+
+def _phases(mode: str, gw: subprocess.Popen, port: int, args) -> dict:
     url = f"http://127.0.0.1:{port}"
     try:
         asyncio.run(relay_phase(url, args.concurrency, 2))  # warm-up: connections, caches
@@ -118,7 +139,7 @@ def measure(process: bool, upstream: int, args, workdir: str) -> dict:
     finally:
         stop(gw)
     return {
-        "engine": "own process" if process else "in-process",
+        "engine": mode,
         "idle": idle,
         "busy": busy,
         "streams_running": [running, still],
@@ -132,10 +153,10 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--streams", type=int, default=16)
-    parser.add_argument("--in-process-only", action="store_true", help="skip the engine-in-its-own-process phase")
+    parser.add_argument("--in-process-only", action="store_true", help="skip the engine-in-its-own-process phases")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    args.modes = (False,) if args.in_process_only else (False, True)
+    args.modes = ("in-process",) if args.in_process_only else ("in-process", "own process", "own CPU")
     upstream_port = free_port()
     upstream = subprocess.Popen(
         [sys.executable, "bench/fast_upstream.py", "--port", str(upstream_port), "--tokens", "16", "--model", MODEL],
@@ -145,8 +166,8 @@ def main() -> None:
     try:
         wait_port(upstream_port, upstream)
         with tempfile.TemporaryDirectory() as workdir:
-            for process in args.modes:
-                rows.append(measure(process, upstream_port, args, workdir))
+            for mode in args.modes:
+                rows.append(measure(mode, upstream, upstream_port, args, workdir))
                 print(json.dumps(rows[-1]), flush=True)
     finally:
         stop(upstream)
