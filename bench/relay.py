@@ -4,6 +4,7 @@
     .venv/bin/python bench/relay.py --profile [--profile-seconds 12]      # + py-spy
     .venv/bin/python bench/relay.py --workers [--reps 3]   # listen.workers 1 against 2, same run
     .venv/bin/python bench/relay.py --workers --native-peers   # the same with wrk and nginx as load generator and upstream
+    .venv/bin/python bench/relay.py --isolation [-- --json FILE]   # the relay beside a busy edge engine (bench/isolation.py)
     .venv/bin/python bench/relay.py --nginx [--no-h2]      # + nginx as a reference proxy (apt-get install nginx)
 
 Processes (each started here, stopped here by PID; traffic only on 127.0.0.1):
@@ -1037,6 +1038,11 @@ def main() -> int:
     parser.add_argument("--profile-h2", action="store_true", help="profile the HTTP/2 gateway (hypercorn upstream) instead")
     parser.add_argument("--workers", action="store_true", help="instead: listen.workers 1 against 2 (req/s and CPU)")
     parser.add_argument(
+        "--isolation",
+        action="store_true",
+        help="instead: does the relay feel the edge engine? (runs bench/isolation.py; its flags after --)",
+    )
+    parser.add_argument(
         "--native-peers",
         action="store_true",
         help="with --workers: wrk as the load generator and nginx as the upstream (apt-get install wrk nginx)",
@@ -1048,7 +1054,11 @@ def main() -> int:
         default=ROOT,
         help="run the gateway from this checkout (e.g. `git archive HEAD | tar -x -C DIR`); default: this repository",
     )
-    args = parser.parse_args()
+    argv = sys.argv[1:]
+    rest = argv[argv.index("--") + 1 :] if "--" in argv else []
+    args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    if args.isolation:  # the scenario lives in its own script; this is its name here too
+        return subprocess.call([PY, os.path.join(ROOT, "bench", "isolation.py"), *rest], cwd=ROOT)
     gateway_root = os.path.abspath(args.gateway_root)
     reps = args.reps or (1 if args.quick else 3)
     scale = 0.1 if args.quick else 1.0

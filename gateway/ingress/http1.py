@@ -164,7 +164,9 @@ class H1Protocol(HttpToolsProtocol):
                 self.app = self._app
         else:
             super().on_headers_complete()
-            self.scope[WRITER] = _ChunkWriter(self.cycle)
+            cycle = self.cycle
+            if cycle is not None and cycle.scope is self.scope:  # not for an upgrade: no cycle of its own
+                self.scope[WRITER] = _ChunkWriter(cycle)
 
     def send_400_response(self, msg: str) -> None:
         self._refuse(400, "invalid_http_request", msg)
