@@ -4,7 +4,9 @@ The body of a response is filled by the connection's protocol (``data_received``
 drained by the relay. When more than ``high_water`` bytes wait unread, the protocol stops
 taking data from the peer: HTTP/1.1 pauses reading the socket (TCP flow control pushes
 back), HTTP/2 withholds WINDOW_UPDATE for the stream (HTTP/2 flow control pushes back).
-So a slow client slows the upstream, and memory per stream stays bounded.
+So a slow client slows the upstream, and memory per stream stays bounded. A consumer that
+takes arrivals as they come (``Body.hand_over``: the relay's splice) answers for that bound
+itself while it does: it hands the stream back once its client is behind.
 """
 
 from __future__ import annotations
