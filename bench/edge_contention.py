@@ -126,8 +126,9 @@ def ask(url: str, headers: dict) -> dict:
 
 
 def start_ready(config: dict, port: int, workdir: str) -> subprocess.Popen:
-    """``python -m gateway serve`` on ``config``, once its /readyz answers 200 (the engine
-    loaded); the caller stops it (``bench.overload.stop``)."""
+    """``python -m gateway serve`` on ``config``, once its /readyz answers 200 and, with the
+    edge engine on, the engine answers a one-token request (workers serve the clusters
+    while the engine's process loads); the caller stops it (``bench.overload.stop``)."""
     path = os.path.join(workdir, f"{port}.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(config, f)
@@ -137,7 +138,7 @@ def start_ready(config: dict, port: int, workdir: str) -> subprocess.Popen:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:  # connections may wait while the engine loads
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=60).status_code == 200:
+                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=60).status_code == 200 and _edge_answers(config, port):
                     return proc
             except httpx.HTTPError:
                 pass
@@ -146,6 +147,16 @@ def start_ready(config: dict, port: int, workdir: str) -> subprocess.Popen:
     except BaseException:
         stop(proc)
         raise
+
+
+def _edge_answers(config: dict, port: int) -> bool:
+    edge = config.get("edge") or {}
+    if not edge.get("enabled"):
+        return True
+    body = {"model": edge.get("name") or MODEL, "messages": QUESTION, "max_tokens": 1}
+    keys = [k for t in config.get("tenants") or [] for k in t.get("keys", [])]
+    headers = {"authorization": f"Bearer {keys[0]}"} if keys else {}
+    return httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, headers=headers, timeout=60).status_code == 200
 
 
 def scenario(name: str, tenants: bool, streams: int, asks: int, workdir: str) -> dict:

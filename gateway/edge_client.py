@@ -258,6 +258,8 @@ class EdgeClient:
         try:
             response = await self.pool.request(b"POST", _PATHS[kind], [_JSON_BODY, *headers], orjson.dumps(data))
         except GatewayError as exc:
+            if self._stats is None:  # it has never answered: the node is still loading the model
+                raise NoHealthyUpstream("the edge engine is loading its model; retry shortly", retry_after=5.0) from None
             raise NoHealthyUpstream(f"the edge engine cannot be reached: {exc.message}", retry_after=1.0) from None
         if response.status < 300:
             return response

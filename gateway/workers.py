@@ -9,9 +9,12 @@ of the node's one edge engine process.
   their addresses, and connections that arrive while a slot's worker is being replaced wait
   in that slot's backlog instead of being refused;
 - with the edge engine enabled, it starts the engine in a process of its own, listening on
-  ``engine.sock`` in the node's private run directory, and waits until it answers before
-  starting the workers (weights and KV cache exist once per node, whatever N is); with
-  ``edge.cpus`` the engine runs on those CPUs and the workers on the others;
+  ``engine.sock`` in the node's private run directory (weights and KV cache exist once per
+  node, whatever N is), and the workers at once: while the model loads they answer health
+  checks and relay to the clusters, the engine counting as down (``/readyz`` says 503 on a
+  node that has nothing else to serve); an engine that exits or does not answer within
+  10 minutes on its first start stops the node (exit status 1); with ``edge.cpus`` the
+  engine runs on those CPUs and the workers on the others;
 - it starts each worker (``multiprocessing``'s spawn: a fresh interpreter, nothing
   inherited but the settings and the slot's socket), which runs the same app under uvicorn
   (``gateway.cli.uvicorn_config``);
@@ -257,13 +260,12 @@ class Supervisor:
                 _cpu_list(engine_cpus), "the same" if relay_cpus is None else _cpu_list(relay_cpus),
             )
         engine = None
+        loading = False  # the engine's first start is under way: the workers serve meanwhile
         if settings.edge.enabled:
             path = Node(0, workers, rundir).engine_socket
             engine = _Child("edge engine", run_engine, (settings, path), cpus=engine_cpus)
             engine.start(self.context)
-            if not self._wait_for_engine(engine, path):
-                self._terminate([engine])
-                return 0 if self._stopping else 1  # asked to stop while it loaded: a clean exit
+            loading, load_deadline = True, time.monotonic() + _ENGINE_START_S
         children = []
         for i in range(workers):
             node = Node(i, workers, rundir, self.context.RawValue("d", 0.0))
@@ -275,6 +277,16 @@ class Supervisor:
         status = 0
         while not self._stopping:
             now = time.monotonic()
+            if loading:
+                if _answers(path):
+                    loading = False
+                    logger.info("edge engine ready (pid %d)", engine.process.pid)
+                elif not engine.is_alive or now > load_deadline:
+                    # a model that cannot load fails the same way every time: stop, as one process would
+                    why = f"exited while starting (exit status {engine.process.exitcode})" if not engine.is_alive else f"did not start within {_ENGINE_START_S:.0f} s"
+                    logger.error("the edge engine %s: stopping the node", why)
+                    self._stopping, status = True, 1
+                    break
             for child in everyone:
                 if child.process is None:
                     if child.restart_at is not None and now >= child.restart_at:
@@ -290,26 +302,13 @@ class Supervisor:
             sentinels = [c.process.sentinel for c in everyone if c.process is not None]
             due = [c.restart_at for c in everyone if c.restart_at is not None]
             timeout = max(0.0, min(due) - time.monotonic()) if due else 1.0
-            if self._wakeup in wait([*sentinels, self._wakeup], timeout=min(timeout, 1.0)):
+            if self._wakeup in wait([*sentinels, self._wakeup], timeout=min(timeout, 0.1 if loading else 1.0)):
                 with contextlib.suppress(BlockingIOError):
                     os.read(self._wakeup, 512)
         self._terminate(children)
         if engine is not None:
             self._terminate([engine])
         return status
-
-    def _wait_for_engine(self, engine: _Child, path: str) -> bool:
-        deadline = time.monotonic() + _ENGINE_START_S
-        while time.monotonic() < deadline and not self._stopping:
-            if not engine.is_alive:
-                logger.error("the edge engine exited while starting (exit status %s)", engine.process.exitcode)
-                return False
-            if _answers(path):
-                return True
-            engine.process.join(0.1)
-        if not self._stopping:
-            logger.error("the edge engine did not start within %.0f s", _ENGINE_START_S)
-        return False
 
     def _terminate(self, children: list[_Child]) -> None:
         """SIGTERM to each, then wait for them to drain; SIGKILL past the drain timeout."""

@@ -178,6 +178,11 @@ def gauge(url: str, name: str) -> float:
     return max(values)
 
 
+def engine_ready(gw) -> None:
+    """Wait until the node's engine has loaded (the workers serve before it has)."""
+    wait_for(lambda: "edge engine ready" in gw.log.read_text(), 60)
+
+
 def loads_torch(pid: int) -> bool:
     with open(f"/proc/{pid}/maps") as maps:
         return "libtorch" in maps.read()
@@ -193,6 +198,7 @@ def wait_for(check, timeout: float = 20) -> None:
 def test_two_workers_share_one_engine_process_and_a_client_gone_aborts_its_sequence(gateway_processes, tiny_model):
     gw = gateway_processes({"listen": {"workers": 2}, "edge": {**EDGE, "model": tiny_model}})
     pids = worker_pids(gw, 2)
+    engine_ready(gw)
     engines = re.findall(r"edge engine started \(pid (\d+)\)", gw.log.read_text())
     assert len(engines) == 1 and int(engines[0]) not in pids.values()
     assert not any(loads_torch(pid) for pid in pids.values())  # the model and torch live in the engine only
@@ -241,6 +247,7 @@ def test_edge_cpus_pins_the_engine_and_gives_the_workers_the_other_cpus(gateway_
     relay = set(allowed[:-1]) or set(allowed)  # on one CPU the workers share it
     gw = gateway_processes({"listen": {"workers": 2}, "edge": {**EDGE, "model": tiny_model, "cpus": str(allowed[-1])}})
     pids = worker_pids(gw, 2)
+    engine_ready(gw)
     [engine] = re.findall(r"edge engine started \(pid (\d+)\)", gw.log.read_text())
     assert os.sched_getaffinity(int(engine)) == {allowed[-1]}
     wait_for(lambda: all(os.sched_getaffinity(pid) == relay for pid in pids.values()), 10)  # once each has started
@@ -276,6 +283,7 @@ def test_metrics_counts_the_requests_of_every_worker(upstreams, gateway_processe
 def test_a_killed_engine_process_is_replaced_and_the_workers_reach_the_new_one(gateway_processes, tiny_model):
     gw = gateway_processes({"listen": {"workers": 2}, "edge": {**EDGE, "model": tiny_model}})
     worker_pids(gw, 2)
+    engine_ready(gw)  # killed while loading for the first time, it would stop the node
     [engine] = re.findall(r"edge engine started \(pid (\d+)\)", gw.log.read_text())
     os.kill(int(engine), signal.SIGKILL)  # our engine process, by its pid
     wait_for(lambda: len(re.findall(r"edge engine started \(pid (\d+)\)", gw.log.read_text())) == 2, timeout=60)
@@ -299,6 +307,29 @@ def test_workers_that_cannot_start_stop_the_node_instead_of_restarting_for_ever(
     finally:
         gw.stop()
     assert "could not start (see above): stopping the node" in gw.log.read_text()
+
+
+def test_the_workers_start_with_the_engine_and_an_engine_that_cannot_load_stops_the_node(gateway_processes, tiny_model, tmp_path):
+    """The workers do not wait for the model to load (they answer health checks meanwhile);
+    a model that cannot load stops the node instead of being restarted for ever."""
+    gw = gateway_processes({"listen": {"workers": 2}, "edge": {**EDGE, "model": tiny_model}})
+    worker_pids(gw, 2)
+    engine_ready(gw)
+    log = gw.log.read_text()
+    assert log.index("worker 1 started") < log.index("edge engine ready")
+    answer = httpx.post(gw.url + "/v1/chat/completions", json={**LONG, "stream": False, "max_tokens": 2}, timeout=30)
+    assert answer.status_code == 200, answer.text
+
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + b"\0" * 64)  # a GGUF header and nothing of a model
+    gw = GatewayProcess({"listen": {"workers": 2}, "cache": {"backend": "off"}, "edge": {**EDGE, "model": str(broken)}}, tmp_path)
+    try:
+        assert gw.proc.wait(120) == 1
+    finally:
+        gw.stop()
+    log = gw.log.read_text()
+    assert "the edge engine exited while starting" in log and "stopping the node" in log
+    assert log.count("edge engine started") == 1  # not restarted
 
 
 async def test_every_worker_serves_https_and_http3_on_the_shared_ports(upstreams, gateway_processes, certificate):
