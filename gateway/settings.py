@@ -101,7 +101,7 @@ class ListenSettings(_Model):
     workers: int | Literal["auto"] = 1  # relay processes on these ports (auto: the cores this process may use)
     # with workers > 1: a worker whose event loop has not run for this long is hung (a request
     # stuck in CPU work, a deadlock): the parent kills it and starts another
-    worker_timeout_s: float = Field(30.0, gt=0)
+    worker_timeout_s: float = Field(30.0, ge=1.0)
 
     @field_validator("workers")
     @classmethod
