@@ -106,7 +106,7 @@ def _deadline(request: Request) -> float | None:
     return time.monotonic() + budget_ms / 1000
 
 
-def create_app(engine: Engine, model_name: str | None = None) -> Starlette:
+def create_app(engine: Engine, model_name: str | None = None) -> _StatsFirst:
     serving = OpenAIServing(engine, model_name or engine.model_name)
     counter = itertools.count()
 
@@ -177,9 +177,6 @@ def create_app(engine: Engine, model_name: str | None = None) -> Starlette:
         ok = engine.is_running
         return Response(orjson.dumps({"status": "ok" if ok else "stopped"}), status_code=200 if ok else 503, media_type="application/json")
 
-    async def stats(request: Request) -> Response:
-        return Response(orjson.dumps(engine.stats().as_dict()), media_type="application/json")
-
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         await engine.start()
@@ -188,16 +185,38 @@ def create_app(engine: Engine, model_name: str | None = None) -> Starlette:
         finally:
             await engine.close()
 
-    return Starlette(
+    app = Starlette(
         routes=[
             Route("/v1/chat/completions", _handler("chat"), methods=["POST"]),
             Route("/v1/completions", _handler("completion"), methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
-            Route("/stats", stats, methods=["GET"]),
         ],
         lifespan=lifespan,
     )
+    return _StatsFirst(app, engine)
+
+
+class _StatsFirst:
+    """``GET /stats`` answered before Starlette's middleware and routing: on a node of
+    workers each worker polls it every 50 ms for routing, so it is the engine server's most
+    frequent request. Everything else, and ``app``'s attributes, are ``app``'s."""
+
+    def __init__(self, app: Starlette, engine: Engine) -> None:
+        self.app = app
+        self.engine = engine
+
+    def __getattr__(self, name: str):
+        return getattr(self.app, name)  # e.g. ``state``, ``routes``
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] == "/stats" and scope["method"] == "GET":
+            body = orjson.dumps(self.engine.stats().as_dict())
+            headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            await send({"type": "http.response.body", "body": body})
+            return
+        await self.app(scope, receive, send)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import httpx
 import orjson
@@ -121,6 +122,11 @@ async def test_server_speaks_openai_sse(tiny_engine, monkeypatch):
         assert all(e.startswith("data: {") for e in events[:-1])
         r = await client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "temperature": 0})
         assert r.status_code == 200 and r.json()["object"] == "text_completion"
+        stats = await client.get("/stats")  # what a node's workers poll for routing
+        assert stats.headers["content-type"] == "application/json"
+        assert stats.json() == dataclasses.asdict(tiny_engine.stats())
+        assert stats.json()["num_requests_finished"] >= 2
+        assert (await client.post("/stats")).status_code in (404, 405)
         r = await client.post("/v1/chat/completions", json={**CHAT, "top_p": 2})
         assert r.status_code == 400 and r.json()["error"]["param"] == "top_p"
         r = await client.post("/v1/chat/completions", content=b"{not json")
