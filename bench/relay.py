@@ -545,15 +545,21 @@ WORKER_LOADS = [("json-c64", 64, 6400, False), ("sse-c64", 64, 640, True)]
 def start_worker_gateways(tmp: str, gateway_root: str, children: list[Child]) -> tuple[Child, dict[str, Target]]:
     """The fast upstream (core 1), and a gateway with ``listen.workers: 1`` and one with 2,
     each allowed on both cores (added to ``children`` as they start)."""
-    targets: dict[str, Target] = {}
     fast_port = free_port()
     fast = Child("fast-upstream", pinned(OTHER_CORE, [PY, "bench/fast_upstream.py", "--port", str(fast_port), "--tokens", str(TOKENS), "--model", MODEL]), tmp)
     children.append(fast)
     fast.wait_http(fast_port, "/health")
+    return fast, start_gateways_1_and_2(tmp, gateway_root, children, lambda port: gateway_config(fast_port, "http1", port))
+
+
+def start_gateways_1_and_2(tmp: str, gateway_root: str, children: list[Child], config_for) -> dict[str, Target]:
+    """Two gateways on ``config_for(port)``, one with ``listen.workers: 1`` and one with 2,
+    each allowed on both cores; ready once every worker answers the node's /metrics."""
+    targets: dict[str, Target] = {}
     for workers in (1, 2):
         key = f"gw-h1-w{workers}"
         port = free_port()
-        config = gateway_config(fast_port, "http1", port)
+        config = config_for(port)
         config["listen"]["workers"] = workers
         path = os.path.join(tmp, f"{key}.yaml")
         with open(path, "w") as fh:
@@ -567,7 +573,7 @@ def start_worker_gateways(tmp: str, gateway_root: str, children: list[Child]) ->
                 raise RuntimeError(f"{key}: its {workers} workers did not all start")
             time.sleep(0.1)
         targets[key] = Target(key, port, gw)
-    return fast, targets
+    return targets
 
 
 # -- listen.workers with peers outside the interpreter: wrk and nginx ---------------------
@@ -672,7 +678,6 @@ def _wrk_ms(text: str) -> float:
 def start_native_worker_gateways(tmp: str, gateway_root: str, nginx: str, children: list[Child]) -> tuple[Child, dict[str, Target]]:
     """nginx as the upstream (core 1), and gateways with ``listen.workers: 1`` and 2 on
     both cores, with one cluster per answer kind (model ``bench-model-json`` / ``-sse``)."""
-    targets: dict[str, Target] = {}
     json_port, sse_port = free_port(), free_port()
     conf = os.path.join(tmp, "nginx-upstream.conf")
     with open(conf, "w") as fh:
@@ -680,27 +685,16 @@ def start_native_worker_gateways(tmp: str, gateway_root: str, nginx: str, childr
     upstream = Child("nginx-upstream", pinned(OTHER_CORE, [nginx, "-p", tmp, "-c", conf]), tmp)
     children.append(upstream)
     upstream.wait_http(json_port, "/health")
-    for workers in (1, 2):
-        key = f"gw-h1-w{workers}"
-        port = free_port()
+
+    def config_for(port: int) -> dict:
         config = gateway_config(json_port, "http1", port)
         cluster = config["clusters"][0]
-        sse_cluster = {**cluster, "name": "bench-sse", "models": [MODEL + "-sse"], "endpoints": [{**cluster["endpoints"][0], "url": f"http://127.0.0.1:{sse_port}"}]}
+        sse_endpoint = {**cluster["endpoints"][0], "url": f"http://127.0.0.1:{sse_port}"}
+        sse_cluster = {**cluster, "name": "bench-sse", "models": [MODEL + "-sse"], "endpoints": [sse_endpoint]}
         config["clusters"] = [{**cluster, "models": [MODEL + "-json"]}, sse_cluster]
-        config["listen"]["workers"] = workers
-        path = os.path.join(tmp, f"{key}.yaml")
-        with open(path, "w") as fh:
-            yaml.safe_dump(config, fh)
-        gw = Child(key, pinned(f"{GATEWAY_CORE},{OTHER_CORE}", [PY, "-m", "gateway", "serve", "--config", path]), tmp, gateway_root)
-        children.append(gw)
-        gw.wait_http(port, "/readyz")
-        deadline = time.monotonic() + 30
-        while workers > 1 and f"edgegw_workers_scraped {workers:.1f}" not in _get(port, "/metrics"):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{key}: its {workers} workers did not all start")
-            time.sleep(0.1)
-        targets[key] = Target(key, port, gw)
-    return upstream, targets
+        return config
+
+    return upstream, start_gateways_1_and_2(tmp, gateway_root, children, config_for)
 
 
 def measure_native_workers(targets: dict[str, Target], upstream: Child, reps: int, wrk: str, tmp: str, seconds: float) -> dict:

@@ -200,14 +200,11 @@ def create_app(engine: Engine, model_name: str | None = None) -> _StatsFirst:
 class _StatsFirst:
     """``GET /stats`` answered before Starlette's middleware and routing: on a node of
     workers each worker polls it every 50 ms for routing, so it is the engine server's most
-    frequent request. Everything else, and ``app``'s attributes, are ``app``'s."""
+    frequent request. Everything else is ``app``'s."""
 
     def __init__(self, app: Starlette, engine: Engine) -> None:
         self.app = app
         self.engine = engine
-
-    def __getattr__(self, name: str):
-        return getattr(self.app, name)  # e.g. ``state``, ``routes``
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"] == "/stats" and scope["method"] == "GET":

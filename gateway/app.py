@@ -35,7 +35,7 @@ from gateway.diagnosis import Diagnosis
 from gateway.endpoints import CompletionsApp, HealthzApp, JSONApp, MetricsApp, ModelsApp, ReadyzApp, WebSocketApp
 from gateway.errors import error_body
 from gateway.fleet import Fleet
-from gateway.node import Node
+from gateway.node import Node, Siblings
 from gateway.observability import Metrics, Observer
 from gateway.openai import CHAT, COMPLETION
 from gateway.pipeline import Pipeline
@@ -53,6 +53,7 @@ class Gateway:
     def __init__(self, settings: Settings, metrics: Metrics | None = None, node: Node | None = None) -> None:
         self.settings = settings
         self.node = node
+        self.siblings = Siblings(node) if node is not None else None  # the node's /metrics
         self.metrics = metrics = metrics or Metrics()
         self.fleet = Fleet(settings, metrics, node)
         self.slos = SLOs(settings.slo)
@@ -113,6 +114,8 @@ class Gateway:
         await self.cache.aclose()
         await self.gate.limiter.aclose()
         await self.fleet.aclose()
+        if self.siblings is not None:
+            await self.siblings.aclose()
 
 
 class GatewayApp:
@@ -153,7 +156,7 @@ def create_app(settings: Settings, *, metrics: Metrics | None = None, node: Node
         Route("/v1/models", ModelsApp(gateway.fleet), methods=["GET"]),
         Route("/healthz", HealthzApp(), methods=["GET"]),
         Route("/readyz", ReadyzApp(gateway), methods=["GET"]),
-        Route("/metrics", MetricsApp(gateway.metrics, node), methods=["GET"]),
+        Route("/metrics", MetricsApp(gateway.metrics, gateway.siblings), methods=["GET"]),
         Route("/debug/latency", JSONApp(gateway.latency), methods=["GET"]),
         Route("/dashboard", dashboard, methods=["GET"]),
         Route("/dashboard/feed", dashboard, methods=["GET"]),

@@ -177,7 +177,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 2
     listen = settings.listen
     logging.basicConfig(level=listen.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if listen.workers > 1 or (settings.edge.enabled and settings.edge.process):
+    if listen.workers > 1 or settings.engine_in_own_process:
         return Supervisor(settings, _serve_worker).run()  # gateway/workers.py
     config = uvicorn_config(settings, create_app(settings))
     redact_logs("uvicorn", "uvicorn.error", "uvicorn.access")  # no key in any log line, at any level

@@ -27,7 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from gateway.admission import Gate, RequestContext, request_id_of
 from gateway.errors import GatewayError, PayloadTooLarge, send_error
 from gateway.fleet import Fleet
-from gateway.node import WORKER_SCOPE, Node, node_families
+from gateway.node import WORKER_SCOPE, Siblings, node_families
 from gateway.observability import Metrics
 from gateway.pipeline import Answer, Pipeline
 from gateway.tenants import Tenant
@@ -243,17 +243,17 @@ class JSONApp:
 
 
 class MetricsApp:
-    """``GET /metrics``: this process's metrics or, on a node of workers (``node``), the
+    """``GET /metrics``: this process's metrics or, on a node of workers (``siblings``), the
     node's (``gateway.node.node_families``)."""
 
-    def __init__(self, metrics: Metrics, node: Node | None = None) -> None:
+    def __init__(self, metrics: Metrics, siblings: Siblings | None = None) -> None:
         self.metrics = metrics
-        self.node = node
+        self.siblings = siblings
 
     async def __call__(self, scope, receive, send) -> None:
         body = generate_latest(self.metrics.registry)
-        if self.node is not None and WORKER_SCOPE not in scope["headers"]:
-            body = generate_latest(_Families(await node_families(self.node, body.decode())))
+        if self.siblings is not None and WORKER_SCOPE not in scope["headers"]:
+            body = generate_latest(_Families(await node_families(self.siblings, body.decode())))
         headers = [(b"content-type", CONTENT_TYPE_LATEST.encode()), (b"content-length", str(len(body)).encode())]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": body})

@@ -25,7 +25,10 @@ from typing import Any
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["BEAT_S", "WORKER_SCOPE", "Node", "node_families"]
+from gateway.errors import GatewayError
+from gateway.upstream import H1Pool, Origin, Timeouts
+
+__all__ = ["BEAT_S", "WORKER_SCOPE", "Node", "Siblings", "node_families"]
 
 BEAT_S = 0.5
 
@@ -52,29 +55,59 @@ class Node:
     def worker_socket(self, index: int) -> str:
         return os.path.join(self.rundir, f"worker-{index}.sock")
 
-    @property
-    def siblings(self) -> list[str]:
-        """The other workers' own sockets."""
-        return [self.worker_socket(i) for i in range(self.workers) if i != self.index]
-
 
 # -- /metrics: the node's totals ------------------------------------------------------------
 
 WORKER_SCOPE = (b"x-edgegw-metrics", b"worker")  # asks a worker for its own counts only
 _NODE_WIDE = "edgegw_edge_"  # gauges every worker reads from the same place (the engine): taken once
 _FETCH_TIMEOUT_S = 2.0
+_MAX_EXPOSITION_BYTES = 16 << 20
 
 
-async def node_families(node: Node, local: str) -> list[Metric]:
+class Siblings:
+    """This worker's way to the other workers' own sockets: a kept-alive connection to each
+    through the gateway's lean HTTP/1.1 pool (``Origin(uds=...)``), opened on first use; a
+    sibling being replaced is reconnected by the pool."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self._pools: dict[int, H1Pool] = {}
+
+    async def exposition(self, index: int) -> str | None:
+        """Worker ``index``'s own /metrics exposition; None if it does not answer."""
+        pool = self._pools.get(index)
+        if pool is None:
+            origin = Origin("localhost", 0, None, b"localhost", b"http", uds=self.node.worker_socket(index))
+            timeouts = Timeouts(connect=_FETCH_TIMEOUT_S, read=_FETCH_TIMEOUT_S, write=_FETCH_TIMEOUT_S, pool=_FETCH_TIMEOUT_S)
+            pool = self._pools[index] = H1Pool(origin, max_connections=1, warm_connections=0, timeouts=timeouts, high_water=1 << 20)
+        try:
+            response = await pool.request(b"GET", b"/metrics", [WORKER_SCOPE], b"")
+            try:
+                body = await response.body.read_all(_FETCH_TIMEOUT_S, _MAX_EXPOSITION_BYTES)
+            finally:
+                response.close()
+        except GatewayError:
+            return None
+        return body.decode() if response.status == 200 else None
+
+    async def aclose(self) -> None:
+        for pool in self._pools.values():
+            await pool.aclose()
+        self._pools.clear()
+
+
+async def node_families(siblings: Siblings, local: str) -> list[Metric]:
     """The node's metric families: this worker's (``local``, its exposition) and its
     siblings', read from their own sockets. Counters, histograms and summaries are summed;
     gauges keep one series per worker, labelled ``worker``, except the engine's, which are
     the node's already; the ``_created`` times, one worker's, are left out. A sibling that
     does not answer (being replaced) is left out too, and ``edgegw_workers_scraped`` says
     how many were counted."""
-    texts = await asyncio.gather(*(_fetch(path) for path in node.siblings))
+    node = siblings.node
+    others = [i for i in range(node.workers) if i != node.index]
+    texts = await asyncio.gather(*(siblings.exposition(i) for i in others))
     workers = [(str(node.index), local)]
-    for index, text in zip((i for i in range(node.workers) if i != node.index), texts):
+    for index, text in zip(others, texts):
         if text is not None:
             workers.append((str(index), text))
     merged: dict[str, Metric] = {}
@@ -99,23 +132,3 @@ async def node_families(node: Node, local: str) -> list[Metric]:
     scraped = Metric("edgegw_workers_scraped", "Workers whose counts this /metrics answer includes.", "gauge")
     scraped.add_sample("edgegw_workers_scraped", {}, len(workers))
     return [*merged.values(), scraped]
-
-
-async def _fetch(path: str) -> str | None:
-    """A sibling's own exposition, over its Unix socket; None if it does not answer."""
-    try:
-        reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(path), _FETCH_TIMEOUT_S)
-    except (OSError, asyncio.TimeoutError):
-        return None
-    try:
-        name, value = WORKER_SCOPE
-        writer.write(b"GET /metrics HTTP/1.1\r\nhost: worker\r\n%s: %s\r\nconnection: close\r\n\r\n" % (name, value))
-        response = await asyncio.wait_for(reader.read(), _FETCH_TIMEOUT_S)
-    except (OSError, asyncio.TimeoutError):
-        return None
-    finally:
-        writer.close()
-    head, _, body = response.partition(b"\r\n\r\n")
-    if not head.startswith(b"HTTP/1.1 200"):
-        return None
-    return body.decode()
