@@ -10,7 +10,7 @@ granian is the bench's own set-up, not a dependency of the project:
 Processes (each started here, stopped here by PID; traffic only on 127.0.0.1): the fast
 upstream (``bench/fast_upstream.py``) and this process's load generator on core 1, and the
 two gateways on core 0, one after the other under each load (``bench/relay.py``'s loads and
-client): granian with one worker, uvloop, the app built by ``gateway.app.create_app`` from
+client): granian with one worker, uvloop, the app built by ``gateway.node.app.create_app`` from
 the same configuration. Reported: the gateway's CPU (process and children) per
 non-streaming request and per relayed SSE event, medians over the repetitions, and
 granian's as a ratio to uvicorn's. granian does not apply the listener limits of
@@ -49,8 +49,8 @@ from relay import (  # noqa: E402
 )
 
 SHIM = '''import os
-from gateway.app import create_app
-from gateway.settings import load_settings
+from gateway.node.app import create_app
+from gateway.core.settings import load_settings
 
 
 def app():

@@ -25,7 +25,7 @@ from .config import (
 )
 from .errors import InvalidTransition, NoRoute, RoutingError, TableError, UnknownModel
 from .explain import describe, explain
-from .features import estimate_prompt_tokens, mean_logprob, request_from_openai
+from .features import budget_of, estimate_prompt_tokens, mean_logprob, request_from_openai
 from .geo import DBIP_ATTRIBUTION, GeoLocator, TrustedProxies, client_address, haversine_km
 from .health import BreakerState, HealthState, RetryBudget
 from .policy import cascade_verdict, decide, locate_client
@@ -67,6 +67,7 @@ __all__ = [
     "TargetKind",
     "TrustedProxies",
     "UnknownModel",
+    "budget_of",
     "cascade_verdict",
     "client_address",
     "decide",

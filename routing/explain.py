@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .config import RoutingConfig
-from .features import request_from_openai
+from .features import budget_of, request_from_openai
 from .geo import GeoLocator
 from .health import HealthState
 from .policy import decide, locate_client
@@ -33,7 +33,6 @@ def explain(
     edge: EdgeStats | None = None,
     health: HealthState | None = None,
     geo: GeoLocator | None = None,
-    cache_hit: bool = False,
 ) -> RouteDecision:
     """Resolve the client, locate it, extract features and decide, in one call.
 
@@ -50,7 +49,7 @@ def explain(
     finally:
         if own_geo and locator is not None:
             locator.close()
-    request = request_from_openai(body, headers, config, client_ip=ip, location=location, cache_hit=cache_hit)
+    request = request_from_openai(body, headers, config, client_ip=ip, location=location, budget_ms=budget_of(headers))
     return decide(request, table, health, now, edge=edge)
 
 

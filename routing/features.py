@@ -18,7 +18,7 @@ from .config import RoutingConfig
 from .geo import _header
 from .types import Location, RouteRequest
 
-__all__ = ["BUDGET_HEADER", "affinity_key", "estimate_prompt_tokens", "mean_logprob", "request_from_openai"]
+__all__ = ["BUDGET_HEADER", "affinity_key", "budget_of", "estimate_prompt_tokens", "mean_logprob", "request_from_openai"]
 
 BUDGET_HEADER = "x-latency-budget-ms"
 
@@ -93,6 +93,20 @@ def affinity_key(
     return None, None
 
 
+def budget_of(headers: Mapping[str, str], tenant_budget_ms: float | None = None, max_ms: float | None = None) -> float | None:
+    """A request's TTFT budget in milliseconds: its ``x-latency-budget-ms`` header when that
+    is a positive finite number (at most ``max_ms``), else ``tenant_budget_ms``, else None."""
+    raw = _header(headers, BUDGET_HEADER)
+    if raw is not None:
+        try:
+            value = float(raw)
+        except ValueError:
+            value = 0.0
+        if 0 < value < float("inf"):
+            return value if max_ms is None else min(value, max_ms)
+    return tenant_budget_ms
+
+
 def request_from_openai(
     body: Mapping[str, Any],
     headers: Mapping[str, str],
@@ -100,28 +114,18 @@ def request_from_openai(
     *,
     client_ip: str | None = None,
     location: Location | None = None,
-    tenant_budget_ms: float | None = None,
-    cache_hit: bool = False,
+    budget_ms: float | None = None,
 ) -> RouteRequest:
     """Build the ``RouteRequest`` for a ``/v1/chat/completions`` or ``/v1/completions`` body.
 
-    Budget: the ``x-latency-budget-ms`` header when it is a positive number, else
-    ``tenant_budget_ms``, else ``None`` (the policy's default applies).
+    ``budget_ms``: the request's TTFT budget as its caller decided it (``budget_of`` reads
+    the header; the gateway's ``Deadline`` holds it); ``None``: the policy's default applies.
     """
     pol = config.policy
     tokens, attached = estimate_prompt_tokens(body, pol.chars_per_token)
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
         max_tokens = None
-    budget = tenant_budget_ms
-    raw_budget = _header(headers, BUDGET_HEADER)
-    if raw_budget is not None:
-        try:
-            value = float(raw_budget)
-        except ValueError:
-            value = 0.0
-        if 0 < value < float("inf"):
-            budget = value
     tools = body.get("tools") or body.get("functions")
     key, source = affinity_key(body, headers, config)
     model = body.get("model")
@@ -132,12 +136,11 @@ def request_from_openai(
         has_tools=bool(tools),
         has_attachments=attached,
         stream=bool(body.get("stream")),
-        budget_ms=budget,
+        budget_ms=budget_ms,
         affinity_key=key,
         affinity_source=source,
         client_ip=client_ip,
         location=location,
-        cache_hit=cache_hit,
     )
 
 

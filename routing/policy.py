@@ -28,8 +28,6 @@ Rules, in order:
    ``budget_fraction × budget`` (at least ``min_delay_ms``), target = the first fallback.
 5. Cascade: a non-streaming ``auto`` request served at the edge with a central fallback
    carries ``cascade_threshold`` (``policy.cascade_min_logprob``) when configured.
-6. A cache hit (``request.cache_hit``) puts the cache first and the computed route
-   behind it as fallbacks (or alone, if nothing else is reachable).
 
 ``cascade_verdict`` is rule 5's second half: given the edge's answer, escalate or keep.
 ``routing.explain`` runs address -> location -> features -> decide in one call and puts the
@@ -218,22 +216,7 @@ def decide(
     Raises ``UnknownModel`` for a model served nowhere and ``NoRoute`` when nothing
     can serve the request (``retry_after_s`` set when breakers will half-open).
     """
-    try:
-        return _decide(request, table, health, now, edge, rng)
-    except NoRoute as exc:
-        if request.cache_hit and type(exc) is NoRoute:
-            model = table.resolve_model(request.model).model
-            return RouteDecision(
-                target=Target(TargetKind.CACHE, model),
-                reasons=("exact-response cache hit", f"no live route: {exc}"),
-                model=model,
-                requested_model=request.model,
-                region=table.home_region(request.location),
-                client_ip=request.client_ip,
-                location=request.location,
-                budget_ms=request.budget_ms or table.config.policy.default_budget_ms,
-            )
-        raise
+    return _decide(request, table, health, now, edge, rng)
 
 
 def _decide(
@@ -363,12 +346,6 @@ def _decide(
             reasons.append(f"hedge to {hedge_target.label()} after {hedge_after:.0f}ms without a token")
         else:
             reasons.append("no hedge: retry budget spent")
-    if request.cache_hit:
-        fallbacks = ((target,) + tuple(fallbacks))[: max(1, pol.max_fallbacks)]
-        target = Target(TargetKind.CACHE, target.model)
-        reasons.insert(0, "exact-response cache hit")
-        hedge_after = hedge_target = None
-        cascade = None
     return RouteDecision(
         target=target,
         fallbacks=tuple(fallbacks),

@@ -80,7 +80,6 @@ class EdgeStats:
 
 
 class TargetKind(str, enum.Enum):
-    CACHE = "cache"
     EDGE = "edge"
     ENDPOINT = "endpoint"
 
@@ -127,8 +126,8 @@ class RouteRequest:
     Build it by hand or with ``routing.features.request_from_openai``. ``budget_ms``
     of ``None`` means the configured default. ``affinity_key`` is the session id or a
     digest of the conversation's leading messages (``None`` = no affinity);
-    ``affinity_source`` says which (``"session"`` / ``"prefix"``). ``cache_hit`` is set
-    by the gateway when the exact-response cache already holds an answer.
+    ``affinity_source`` says which (``"session"`` / ``"prefix"``). The exact-response cache
+    is looked up before routing (a hit needs no decision), so it is not a target here.
     """
 
     model: str = "auto"
@@ -142,7 +141,6 @@ class RouteRequest:
     affinity_source: str | None = None
     client_ip: str | None = None
     location: Location | None = None
-    cache_hit: bool = False
 
 
 _UNSAFE = re.compile(r"[^\x20-\x7e]")

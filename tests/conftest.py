@@ -16,9 +16,9 @@ import redis
 import uvicorn
 import yaml
 
-from gateway.app import create_app
-from gateway.cli import uvicorn_config
-from gateway.settings import Settings
+from gateway.node.app import create_app
+from gateway.node.cli import uvicorn_config
+from gateway.core.settings import Settings
 from bench.fakes import honour_h2_flow_control
 from tests.fakes import FakeUpstream, free_port, make_certificate, started_by
 

@@ -25,9 +25,9 @@ import uvicorn
 import pytest
 from uvicorn.server import ServerState
 
-from gateway.app import create_app
+from gateway.node.app import create_app
 from gateway.ingress import H3Listener, Server, serve_http3
-from gateway.settings import ListenSettings, Settings
+from gateway.core.settings import ListenSettings, Settings
 from gateway.upstream import H2Pool, H3Pool, Origin, Timeouts
 from tests.fakes import FakeApp, free_port, started_by
 

@@ -20,7 +20,7 @@ are answered in plain text. ``H1Protocol`` adds, per connection:
 A response body may also be written from a callback (``scope[WRITER]``, a
 ``_ChunkWriter``): the relay's ``Splice`` writes SSE events as the upstream delivers them.
 
-Timeouts go through the loop's watchdog (``gateway.timeouts``): no timer per request. A
+Timeouts go through the loop's watchdog (``gateway.core.timeouts``): no timer per request. A
 lost connection is reported to the request's ``scope[ON_GONE]`` when admission put a
 callable there: no task per request waits on ``receive`` for the disconnect.
 """
@@ -33,10 +33,9 @@ import httptools
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from gateway.admission import ON_GONE
-from gateway.relay import WRITER
-from gateway.settings import LimitSettings
-from gateway.timeouts import Watch, watchdog
+from gateway.core.context import ON_GONE, WRITER
+from gateway.core.settings import LimitSettings
+from gateway.core.timeouts import Watch, watchdog
 
 __all__ = ["H1Protocol"]
 

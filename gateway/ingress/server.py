@@ -23,7 +23,7 @@ from uvicorn.config import STARTUP_FAILURE
 
 from gateway.ingress.h2 import H2ServerProtocol
 from gateway.ingress.h3 import H3Listener, serve_http3
-from gateway.settings import ListenSettings
+from gateway.core.settings import ListenSettings
 
 __all__ = ["AltSvcApp", "Server", "tls_context"]
 

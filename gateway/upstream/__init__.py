@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from gateway.settings import EndpointSettings, endpoint_api_key
+from gateway.core.settings import EndpointSettings, endpoint_api_key
 from gateway.upstream.base import Body, Origin, Pool, Timeouts, UpstreamResponse
 from gateway.upstream.http1 import H1Pool
 from gateway.upstream.http2 import H2Pool

@@ -19,7 +19,7 @@ from typing import Protocol
 
 import ssl as ssl_module
 
-from gateway.errors import PayloadTooLarge, PoolTimeout, UpstreamConnectError, UpstreamReadTimeout
+from gateway.core.errors import PayloadTooLarge, PoolTimeout, UpstreamConnectError, UpstreamReadTimeout
 
 __all__ = [
     "Body", "MultiplexedPool", "Origin", "Pool", "Refused", "Timeouts", "UpstreamResponse",
@@ -40,7 +40,7 @@ class Timeouts:
 class Origin:
     """Where a pool connects: host and port, TLS context (None for cleartext), and the
     ``Host`` / ``:authority`` and scheme its requests carry; or, with ``uds``, the path of a
-    Unix socket (the node's engine process: ``gateway.edge_client``)."""
+    Unix socket (the node's engine process: ``gateway.engine.process``)."""
 
     __slots__ = ("host", "port", "ssl", "authority", "scheme", "uds")
 

@@ -20,7 +20,7 @@ from collections import deque
 
 import httptools
 
-from gateway.errors import (
+from gateway.core.errors import (
     GatewayError,
     PoolTimeout,
     UpstreamConnectError,

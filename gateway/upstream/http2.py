@@ -20,7 +20,7 @@ import h2.events
 import h2.exceptions
 import h2.settings
 
-from gateway.errors import (
+from gateway.core.errors import (
     GatewayError,
     UpstreamConnectError,
     UpstreamProtocolError,

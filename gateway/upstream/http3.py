@@ -58,7 +58,7 @@ from aioquic.quic.connection import MAX_STREAM_DATA_FRAME_CAPACITY, QuicConnecti
 from aioquic.quic.packet import QuicFrameType
 from aioquic.tls import Group, SessionTicket
 
-from gateway.errors import (
+from gateway.core.errors import (
     GatewayError,
     UpstreamConnectError,
     UpstreamProtocolError,

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 import httpx
 
-from gateway.errors import (
+from gateway.core.errors import (
     GatewayError,
     PoolTimeout,
     UpstreamConnectError,

@@ -11,8 +11,8 @@ import pytest
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect as ws_connect
 
-from gateway.settings import AuthSettings, TenantSettings
-from gateway.tenants import Tenants
+from gateway.core.settings import AuthSettings, TenantSettings
+from gateway.admission.tenants import Tenants
 from tests.conftest import cluster
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}

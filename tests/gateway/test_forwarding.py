@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from gateway.forwarding import HeaderPolicy
+from gateway.admission.forwarding import HeaderPolicy
 from tests.conftest import cluster
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}

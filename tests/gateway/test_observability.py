@@ -243,14 +243,14 @@ def test_a_network_bound_target(upstreams, gateways):
 
 
 def test_the_hot_path_histogram_exposes_what_prometheus_clients_own_would():
-    """``gateway.observability.Histogram`` (no locks, per-bucket counts summed at scrape
+    """``gateway.observe.Histogram`` (no locks, per-bucket counts summed at scrape
     time) against ``prometheus_client.Histogram`` fed the same values: the same text."""
     import random
 
     import prometheus_client
     from prometheus_client.parser import text_string_to_metric_families
 
-    from gateway.observability import _LATENCY_BUCKETS, Histogram
+    from gateway.observe.metrics import _LATENCY_BUCKETS, LoopHistogram as Histogram
 
     ours, theirs = prometheus_client.CollectorRegistry(), prometheus_client.CollectorRegistry()
     lean = Histogram("x_seconds", "x", ["stage"], buckets=_LATENCY_BUCKETS, registry=ours)

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import random
 import time
 
 import pytest
 
-from gateway.errors import Overloaded
-from gateway.queueing import QueueDeadline, TargetQueue
-from gateway.settings import TenantPolicy
-from gateway.tenants import Tenant
+from gateway.core.errors import Overloaded
+from gateway.pipeline.queue import QueueDeadline, TargetQueue
+from gateway.core.settings import TenantPolicy
+from gateway.core.tenant import Tenant
 
 
 def tenant(name: str, priority: str = "standard", weight: float = 1.0) -> Tenant:
@@ -159,3 +160,62 @@ async def test_the_adaptive_limit_shrinks_when_ttft_degrades_and_grows_when_satu
     slot = await queue.acquire(who, None)
     slot.release(ttft=0.5)  # ten times slower than the best: cut by a tenth
     assert queue.limit == int(grown * 0.9)
+
+
+async def test_a_flood_raises_only_its_own_tenants_predicted_wait():
+    """Tenants acme and gamma, same class and weight, one slot: acme's backlog of eight is
+    acme's to wait behind; gamma's next request would be served second, and is predicted so."""
+    queue = TargetQueue("t", 1)
+    queue.service_s = 0.5
+    acme, gamma = tenant("acme"), tenant("gamma")
+    held = await queue.acquire(acme, None)
+    flood = [asyncio.ensure_future(queue.acquire(acme, None)) for _ in range(8)]
+    await asyncio.sleep(0)
+    assert queue.ahead_of(gamma) == 1 and queue.predicted_wait(gamma) == pytest.approx(1.0)
+    assert queue.ahead_of(acme) == 8 and queue.predicted_wait(acme) == pytest.approx(4.5)
+    held.release()
+    for waiting in flood:
+        (await waiting).release()
+
+
+@pytest.mark.parametrize("seed", range(8))
+async def test_random_mixes_share_by_weight_and_predict_each_tenants_place(seed):
+    """Random tenants, classes, weights and backlogs on a one-slot target: the place
+    ``ahead_of`` predicts for a new request is exactly where it is served, and while every
+    tenant of a class has a backlog, each gets its weight's share of that class's turns."""
+    rng = random.Random(seed)
+    queue = TargetQueue("t", 1, ageing_s=1e9)  # no ageing: the order is the fair queue's alone
+    tenants = [tenant(f"t{i}", rng.choice(["standard", "standard", "batch"]), rng.choice([1, 2, 3])) for i in range(rng.randint(2, 5))]
+    served: list[str] = []
+    order: dict[int, int] = {}
+
+    async def one(who: Tenant, mark: int | None = None) -> None:
+        slot = await queue.acquire(who, None)
+        if mark is not None:
+            order[mark] = len(served)
+        served.append(who.name)
+        slot.release()
+
+    blocker = await queue.acquire(tenants[0], None)
+    backlog = {t.name: rng.randint(30, 60) * int(t.weight) for t in tenants}
+    tasks = []
+    for _ in range(max(backlog.values())):
+        for t in tenants:
+            if backlog[t.name]:
+                backlog[t.name] -= 1
+                tasks.append(asyncio.ensure_future(one(t)))
+    await asyncio.sleep(0)
+    probe = rng.choice(tenants)
+    predicted = queue.ahead_of(probe)
+    tasks.append(asyncio.ensure_future(one(probe, mark=0)))
+    await asyncio.sleep(0)
+    blocker.release()
+    await asyncio.gather(*tasks)
+    assert order[0] == predicted
+    standard = [t for t in tenants if t.rank == 1]
+    if len(standard) > 1:
+        first = [name for name in served if name in {t.name for t in standard}][: 12 * len(standard)]
+        total = sum(t.weight for t in standard)
+        for t in standard:
+            share = first.count(t.name) / len(first)
+            assert abs(share - t.weight / total) <= 0.1, (t, share, first)

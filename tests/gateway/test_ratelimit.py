@@ -10,11 +10,11 @@ import uuid
 import httpx
 import pytest
 
-from gateway.errors import Overloaded
-from gateway.observability import Metrics
-from gateway.ratelimit import RateLimiter
-from gateway.settings import RateLimitSettings, TenantPolicy
-from gateway.tenants import Tenant
+from gateway.core.errors import Overloaded
+from gateway.observe import Metrics
+from gateway.admission.ratelimit import RateLimiter
+from gateway.core.settings import RateLimitSettings, TenantPolicy
+from gateway.core.tenant import Tenant
 from tests.conftest import cluster
 
 REDIS_URL = "redis://127.0.0.1:6379/15"

@@ -11,8 +11,9 @@ import openai
 import orjson
 import pytest
 
-from gateway.errors import UpstreamProtocolError, UpstreamReadTimeout
-from gateway.relay import DONE, EventReader, Meter, Splice, sse_event, sse_events, sse_payloads
+from gateway.core.errors import UpstreamProtocolError, UpstreamReadTimeout
+from gateway.core.sse import DONE, EventReader, sse_event, sse_events, sse_payloads
+from gateway.relay import Meter, Splice
 from gateway.upstream.base import Body
 from tests.conftest import cluster
 
@@ -330,8 +331,8 @@ class _Series:
 
 
 def spliced(writer: _Writer, **reader):
-    from gateway.admission import RequestContext
-    from gateway.pipeline import Answer
+    from gateway.core.context import RequestContext
+    from gateway.replies import Answer
 
     body, events = reader_over(**reader)
     ctx = RequestContext({"headers": [], "client": None}, b"rid", "chat")

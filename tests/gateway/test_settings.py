@@ -10,7 +10,7 @@ import pydantic
 import pytest
 
 from edge_engine.config import EngineConfig
-from gateway.settings import ConfigError, EdgeSettings, Settings, load_settings
+from gateway.core.settings import ConfigError, EdgeSettings, Settings, load_settings
 from tests.conftest import ROOT
 
 
@@ -67,3 +67,13 @@ def test_the_edge_section_takes_the_engines_defaults_and_checks():
     with pytest.raises(pydantic.ValidationError, match="dtype must be"):
         EdgeSettings(dtype="fp8")
     assert EdgeSettings(name="tiny").engine_config().model_name == "tiny"
+
+
+def test_tracing_endpoint_still_works_under_its_old_name_with_a_warning(tmp_path):
+    path = tmp_path / "old.yaml"
+    path.write_text("tracing:\n  endpoint: http://127.0.0.1:4318/v1/traces\n")
+    with pytest.warns(FutureWarning, match="tracing.otlp_url"):
+        settings = load_settings(path)
+    assert settings.tracing.otlp_url == "http://127.0.0.1:4318/v1/traces"
+    path.write_text("tracing:\n  otlp_url: http://127.0.0.1:4318/v1/traces\n")
+    assert load_settings(path).tracing.otlp_url == "http://127.0.0.1:4318/v1/traces"

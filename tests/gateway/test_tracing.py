@@ -80,7 +80,7 @@ def spans_of(spans, trace_id: str) -> dict:
 
 def test_a_request_is_one_trace_with_the_upstream_as_its_child(upstreams, gateways, receiver, caplog):
     fake = upstreams(tokens=3)
-    gw = gateways({"clusters": [cluster(fake)], "tracing": {"endpoint": receiver.url}, "listen": {"access_log": True}})
+    gw = gateways({"clusters": [cluster(fake)], "tracing": {"otlp_url": receiver.url}, "listen": {"access_log": True}})
     with caplog.at_level(logging.INFO, logger="edgegw.access"):
         response = httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "stream": True}, headers={"traceparent": TRACEPARENT})
     assert response.status_code == 200
@@ -101,7 +101,7 @@ def test_a_request_is_one_trace_with_the_upstream_as_its_child(upstreams, gatewa
 
 def test_a_trace_is_started_when_the_client_sends_none_and_continued_over_websocket(upstreams, gateways, receiver):
     fake = upstreams(tokens=2)
-    gw = gateways({"clusters": [cluster(fake)], "tracing": {"endpoint": receiver.url}})
+    gw = gateways({"clusters": [cluster(fake)], "tracing": {"otlp_url": receiver.url}})
     httpx.post(gw.url + "/v1/chat/completions", json=CHAT)
     started = fake.requests[-1].headers["traceparent"].split("-")[1]
     receiver.wait_for(lambda s: "chat request" in spans_of(s, started))
@@ -125,7 +125,7 @@ def test_without_an_exporter_the_clients_trace_context_passes_unchanged(upstream
 
 def test_an_edge_answer_shows_the_engines_own_stages_in_its_trace_metrics_and_log(gateways, tiny_model, receiver, caplog):
     edge = {"enabled": True, "model": tiny_model, "name": "tiny", "dtype": "float32", "num_kv_blocks": 64, "block_size": 4}
-    gw = gateways({"edge": edge, "tracing": {"endpoint": receiver.url}, "listen": {"access_log": True}})
+    gw = gateways({"edge": edge, "tracing": {"otlp_url": receiver.url}, "listen": {"access_log": True}})
     ask = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "ignore_eos": True}
     with caplog.at_level(logging.INFO, logger="edgegw.access"):
         for stream in (True, False):

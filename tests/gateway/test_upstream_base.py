@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from gateway.errors import UpstreamProtocolError
+from gateway.core.errors import UpstreamProtocolError
 from gateway.upstream.base import Body
 
 

@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from gateway.errors import PoolTimeout, UpstreamConnectError, UpstreamProtocolError
+from gateway.core.errors import PoolTimeout, UpstreamConnectError, UpstreamProtocolError
 from gateway.upstream.base import Origin, Timeouts
 from gateway.upstream.http1 import H1Pool
 

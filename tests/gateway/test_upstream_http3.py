@@ -11,7 +11,7 @@ import httpx
 import orjson
 import pytest
 
-from gateway.settings import EndpointSettings
+from gateway.core.settings import EndpointSettings
 from gateway.upstream import FallbackPool, H3Pool, Origin, Timeouts
 from tests.conftest import cluster
 from tests.fakes_h3 import FakeH3Upstream, client_pool, fetch, h3_upstreams  # noqa: F401 (fixtures)

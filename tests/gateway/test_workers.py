@@ -16,8 +16,8 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.settings import ListenSettings, Settings, cpu_set
-from gateway.workers import bind_slots, split_cpus
+from gateway.core.settings import ListenSettings, Settings, cpu_set
+from gateway.node.workers import bind_slots, split_cpus
 from tests.conftest import GatewayProcess, cluster
 from tests.fakes import free_port
 from tests.fakes_h3 import client_pool, fetch, free_udp_port

@@ -17,7 +17,7 @@ import socket
 import orjson
 import pytest
 
-from gateway.cli import main as edgegw_main
+from gateway.node.cli import main as edgegw_main
 from loadgen.arrivals import arrival_times
 from loadgen.result import load_result, save_result
 from tests.conftest import cluster

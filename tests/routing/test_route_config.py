@@ -6,6 +6,7 @@ import yaml
 from routing_fixtures import CLUSTERS, EDGE_MODEL, make_config
 
 from routing import (
+    budget_of,
     ClusterSpec,
     HealthState,
     RouteRequest,
@@ -106,9 +107,6 @@ def test_table_queries(table):
         pytest.param({"messages": [], "tools": [{"type": "function"}]}, {}, dict(has_tools=True), id="tools"),
         pytest.param({"messages": [], "tools": []}, {}, dict(has_tools=False), id="empty-tools"),
         pytest.param({"messages": [{"role": "user", "content": [{"type": "text", "text": "abcd"}, {"type": "image_url", "image_url": {"url": "data:"}}]}]}, {}, dict(has_attachments=True, prompt_tokens=5), id="attachment"),
-        pytest.param({"messages": []}, {"X-Latency-Budget-Ms": "350"}, dict(budget_ms=350.0), id="budget-header"),
-        pytest.param({"messages": []}, {"x-latency-budget-ms": "-5"}, dict(budget_ms=None), id="bad-budget-ignored"),
-        pytest.param({"messages": []}, {"x-latency-budget-ms": "nan"}, dict(budget_ms=None), id="nan-budget-ignored"),
         pytest.param({"messages": [], "user": "u1"}, {"X-Session-Id": "abc"}, dict(affinity_source="session"), id="session-header-wins"),
         pytest.param({"messages": [], "user": "u1"}, {}, dict(affinity_source="user"), id="user-field"),
     ],
@@ -130,9 +128,25 @@ def test_affinity_key_stable_across_turns_and_distinct_across_conversations():
     assert request_from_openai({"messages": head}, {}, off).affinity_key is None
 
 
-def test_tenant_budget_used_without_header():
-    req = request_from_openai({"messages": []}, {}, RoutingConfig(), tenant_budget_ms=800)
-    assert req.budget_ms == 800
+@pytest.mark.parametrize(
+    "headers, tenant, max_ms, expect",
+    [
+        pytest.param({"X-Latency-Budget-Ms": "350"}, None, None, 350.0, id="header"),
+        pytest.param({"x-latency-budget-ms": "350"}, 800, None, 350.0, id="header-over-tenant"),
+        pytest.param({}, 800, None, 800, id="tenant-without-header"),
+        pytest.param({"x-latency-budget-ms": "-5"}, None, None, None, id="negative-ignored"),
+        pytest.param({"x-latency-budget-ms": "nan"}, 800, None, 800, id="nan-ignored"),
+        pytest.param({"x-latency-budget-ms": "1e308"}, None, 600000, 600000, id="clamped"),
+        pytest.param({"x-latency-budget-ms": "inf"}, None, 600000, None, id="infinite-ignored"),
+    ],
+)
+def test_budget_of(headers, tenant, max_ms, expect):
+    assert budget_of(headers, tenant, max_ms) == expect
+
+
+def test_request_carries_the_budget_its_caller_decided():
+    assert request_from_openai({"messages": []}, {"x-latency-budget-ms": "5"}, RoutingConfig(), budget_ms=800).budget_ms == 800
+    assert request_from_openai({"messages": []}, {}, RoutingConfig()).budget_ms is None
 
 
 @pytest.mark.parametrize("text, expected", [("::ffff:1.2.3.4", "1.2.3.4"), ("fe80::1%eth0", "fe80::1"), (" 10.0.0.1 ", "10.0.0.1"), ("1.2.3", None)])

@@ -146,26 +146,10 @@ def test_no_hedge_when_retry_budget_spent(table):
     assert "no hedge: retry budget spent" in d.reasons
 
 
-def test_cache_hit_first_with_route_behind(table, health):
-    d = decide(RouteRequest(prompt_tokens=5000, location=SF, cache_hit=True), table, health, NOW)
-    assert d.target.kind is TargetKind.CACHE
-    assert d.fallbacks[0].kind is TargetKind.ENDPOINT
-    assert d.hedge_after_ms is None
-    assert d.reasons[0] == "exact-response cache hit"
-
-
 def no_panic() -> tuple[RoutingTable, HealthState]:
     config = make_config(health={"panic": False})
     table = RoutingTable.build(config, CLUSTERS, EDGE_MODEL)
     return table, HealthState.from_config(config, table.endpoint_ids())
-
-
-def test_cache_hit_survives_no_route():
-    table, health = no_panic()
-    for c in ("usw", "euc", "aps"):
-        eject(health, c)
-    d = decide(RouteRequest(model="llama-70b", location=SF, cache_hit=True), table, health, NOW)
-    assert d.target.kind is TargetKind.CACHE and d.fallbacks == ()
 
 
 def test_no_route_when_central_model_ejected_without_panic():
@@ -183,8 +167,6 @@ def test_panic_routes_to_ejected_endpoints_when_nothing_else_is_left(table, heal
     d = decide(RouteRequest(model="llama-70b", location=SF), table, health, NOW)
     assert d.target.kind is TargetKind.ENDPOINT
     assert any(r.startswith("panic:") for r in d.reasons)
-    hit = decide(RouteRequest(model="llama-70b", location=SF, cache_hit=True), table, health, NOW)
-    assert hit.target.kind is TargetKind.CACHE and hit.fallbacks  # the panic route behind the cache
 
 
 def test_no_panic_while_an_auto_request_can_degrade_to_the_edge(table, health):

@@ -1,0 +1,133 @@
+"""The one event pipeline for every transport: what is noted of each run of events on its way
+to the client.
+
+``measured`` records the answer for the cache and its single-flight followers, observes
+TTFT and inter-token gaps, and tells the reply when its first token came and how it ended
+(which is how routing's health is fed); ``Meter`` is what it and the splice note per run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import orjson
+
+from cache import is_usage_chunk
+from gateway.core.context import RequestContext
+from gateway.core.errors import GatewayError
+from gateway.core.sse import sse_events, sse_payloads
+from gateway.observe import Series
+from gateway.replies import Answer
+
+__all__ = ["Meter", "measured", "usage_tokens"]
+
+
+class Meter:
+    """What is noted of each run of events on its way to the client, whoever carries it
+    (the request's task through ``measured``, or a ``Splice`` inside the upstream's
+    callback): TTFT and inter-token gaps, the reply's first token, the count, and the usage
+    chunk read (and taken out when it was asked for on the client's behalf)."""
+
+    __slots__ = ("ctx", "answer", "series", "chunks", "_last", "_usage")
+
+    def __init__(self, ctx: RequestContext, answer: Answer, series: Series) -> None:
+        self.ctx = ctx
+        self.answer = answer
+        self.series = series
+        self.chunks = 0
+        self._last = 0.0
+        self._usage = answer.hide_usage or ctx.wants_usage
+
+    def note(self, events: bytes) -> None:
+        """A run of events is on its way: the first is the TTFT; after it, a run that
+        carries a generated token (not ``[DONE]``, a usage chunk or a finish-only chunk,
+        however the upstream's writes were split or merged) is a token and a gap."""
+        now = time.perf_counter()
+        if self._last:
+            if b'"finish_reason":null' not in events and not _carries_token(events):
+                return
+            gap = now - self._last
+            self.series.gap.observe(gap)
+            self.ctx.delivery.gaps.append(gap)
+        else:
+            ctx = self.ctx
+            ttft = now - ctx.timing.start
+            self.series.ttft.observe(ttft)
+            self.answer.ttft = ctx.delivery.ttft = ttft
+            self.answer.reply.first_token(time.monotonic())
+            ctx.timing.mark("first_token")
+        self._last = now
+        self.chunks += 1
+
+    def usage(self, events: bytes) -> bytes:
+        if self._usage and b'"usage"' in events:
+            return _take_usage(self.ctx, events, self.answer.hide_usage)
+        return events
+
+
+async def measured(
+    ctx: RequestContext, answer: Answer, series: Series, meter: Meter | None = None
+) -> AsyncIterator[bytes | None]:
+    """The answer's events as the client should get them, for every transport: recorded for
+    the cache and its followers, noted by ``meter`` (``Meter``), and reported to the reply
+    (its end); ``None`` after a quiet spell. When the reply breaks off, the recording is
+    aborted, the failure reported, and the ``GatewayError`` raised."""
+    reply, recorder = answer.reply, answer.recorder
+    meter = meter or Meter(ctx, answer, series)
+    while True:
+        try:
+            events = await reply.next_events()
+        except GatewayError:
+            if recorder is not None:
+                await recorder.finish(False)
+            reply.finish(False, meter.chunks, time.monotonic())
+            ctx.delivery.tokens = meter.chunks
+            ctx.timing.mark("decode" if meter.chunks else "first_token")
+            raise
+        if events is None:
+            yield None
+            continue
+        if not events:
+            if recorder is not None:
+                await recorder.finish(True)
+            reply.finish(True, meter.chunks, time.monotonic())
+            ctx.delivery.tokens = meter.chunks
+            ctx.timing.mark("decode")
+            return
+        meter.note(events)
+        if recorder is not None:
+            await recorder.feed(events)
+        yield meter.usage(events)
+
+
+def _carries_token(events: bytes) -> bool:
+    """Whether a run of events holds a generated token: anything but ``[DONE]``, a usage
+    chunk (no choices) or a final chunk with an empty delta or text."""
+    for payload in sse_payloads(events):
+        if payload == b"[DONE]" or b'"choices":[]' in payload:
+            continue
+        if b'"finish_reason":"' in payload and (b'"delta":{}' in payload or b'"text":""' in payload):
+            continue
+        return True
+    return False
+
+
+def _take_usage(ctx: RequestContext, events: bytes, hide: bool) -> bytes:
+    """Read the usage chunk's total tokens into ``ctx``; without it when ``hide``."""
+    payloads = sse_payloads(events)
+    kept = []
+    for payload in payloads:
+        if payload != b"[DONE]" and is_usage_chunk(payload):
+            ctx.charge.usage = usage_tokens(orjson.loads(payload))
+            if hide:
+                continue
+        kept.append(payload)
+    return sse_events(kept) if len(kept) < len(payloads) else events
+
+
+def usage_tokens(answer: dict) -> int | None:
+    """``usage.total_tokens`` of an OpenAI answer or chunk, if it says."""
+    usage = answer.get("usage") if isinstance(answer, dict) else None
+    total = usage.get("total_tokens") if isinstance(usage, dict) else None
+    return total if isinstance(total, int) and not isinstance(total, bool) else None
