@@ -12,6 +12,12 @@ through the gateway):
     pad          bytes of filler added to each token's content (for volume tests)
     status       answer with this HTTP status and an OpenAI error instead
     fail_after   drop the connection after this many content chunks
+    done_after   after this many content chunks, ``data: [DONE]`` with no finish_reason (what
+                 llama.cpp's server sends when another request interrupts a generation; 0:
+                 an empty stream, as it answers a streamed prompt over its context)
+    error_body   with ``status``: this raw body instead of an OpenAI error (llama.cpp's server
+                 answers a non-UUID x-request-id with 400 and an empty body, some client
+                 mistakes with 500 and a Python traceback)
     hang         never answer
     health_delay seconds before GET /health answers (how fast a probe finds it)
     slots        (server-wide, from the defaults) answer at most this many requests at once
@@ -64,6 +70,8 @@ DEFAULTS = {
     "pad": 0,
     "status": 200,
     "fail_after": None,
+    "done_after": None,
+    "error_body": None,
     "hang": False,
     "headers_first": True,
     "health_delay": 0.0,
@@ -155,6 +163,10 @@ class FakeApp:
         status = script["status"]
         if status != 200:
             await _sleep(seen, script["ttft"])
+            if script["error_body"] is not None:
+                raw = script["error_body"].encode()
+                await send({"type": "http.response.start", "status": status, "headers": [(b"content-length", str(len(raw)).encode())]})
+                return await send({"type": "http.response.body", "body": raw})
             error = {"error": {"message": f"scripted {status}", "type": "fake_error", "param": None, "code": None}}
             return await _json(send, status, error)
         kind = "chat" if path.endswith("chat/completions") else "completion"
@@ -177,13 +189,18 @@ class FakeApp:
             {
                 "type": "http.response.start",
                 "status": 200,
-                "headers": [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")],
+                # as sse-starlette (llama.cpp's server, vLLM) sends them, X-Accel-Buffering included
+                "headers": [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")],
             }
         )
         if script["headers_first"]:
             await _sleep(seen, script["ttft"])
-        fail_after = script["fail_after"]
+        fail_after, done_after = script["fail_after"], script["done_after"]
         for i in range(tokens):
+            if done_after is not None and i == done_after:
+                await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": True})
+                await send({"type": "http.response.body", "body": b""})
+                return
             if seen.disconnected.is_set():
                 return
             if fail_after is not None and i == fail_after:

@@ -69,7 +69,10 @@ class BalancerConfig(_Model):
 
 class HealthConfig(_Model):
     probe_interval_s: float = Field(default=5.0, gt=0)  # active probe period per endpoint
-    probe_path: str = "/health"  # probe path (or /v1/models); the gateway does the I/O
+    # active probes on this path of each endpoint's origin (e.g. /health); null: passive
+    # health only (requests' own outcomes), which never disturbs a server that interrupts its
+    # running generation on a new request (llama.cpp's server). Never sent while a request is in flight there.
+    probe_path: str | None = None
     probe_timeout_s: float = Field(default=2.0, gt=0)  # a probe unanswered by then may restart
     failure_threshold: int = Field(default=5, ge=1)  # consecutive failures that open the breaker
     error_rate_threshold: float = Field(default=0.5, gt=0, le=1)  # windowed error rate that opens

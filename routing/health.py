@@ -346,6 +346,15 @@ class HealthState:
             ):
                 self._trip(h, now)
 
+    def record_abandoned(self, endpoint: str, now: float) -> None:
+        """A request sent to ``endpoint`` ended through no doing of the endpoint's (no
+        connection came free on this side, the request's own deadline passed, its client
+        left): it no longer counts in flight, and it says nothing of the endpoint's health."""
+        h = self.endpoint(endpoint)
+        self._advance(h, now)
+        if h.inflight > 0:
+            h.inflight -= 1
+
     def record_probe(self, endpoint: str, ok: bool, rtt_s: float | None, now: float) -> None:
         """An active probe (``probe_path``) finished; ``rtt_s`` is its round trip."""
         h = self.endpoint(endpoint)
@@ -385,12 +394,14 @@ class HealthState:
         """Endpoints the gateway should probe now; they are marked as being probed.
 
         Due: never probed, ``probe_interval_s`` since the last probe, half-open (to
-        readmit quickly), or a previous probe unanswered after ``probe_timeout_s``.
+        readmit quickly), or a previous probe unanswered after ``probe_timeout_s``; and no
+        request in flight there (its requests are its health evidence meanwhile, and some
+        servers cut their running generation for any new request, a probe included).
         """
         due = []
         for h in self._endpoints.values():
             self._advance(h, now)
-            if self._probe_due_at(h) <= now:
+            if h.inflight == 0 and self._probe_due_at(h) <= now:
                 h.probe_started_at = now
                 due.append(h.endpoint)
         return due

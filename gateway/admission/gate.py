@@ -167,7 +167,7 @@ class Gate:
                 )
         tenant.in_flight += 1
         ctx.held |= Held.TENANT
-        ctx.forward = [(b"x-request-id", ctx.request_id), *extra, *self.headers.forward(ctx.raw_headers)]
+        ctx.forward = [*extra, *self.headers.forward(ctx.raw_headers)]  # each endpoint adds its x-request-id
         return parsed
 
     async def admit_message(self, ctx: RequestContext, socket: Socket, body: bytes) -> ParsedRequest:

@@ -72,6 +72,7 @@ class Served:
     via: str = "-"  # the reply's label (an endpoint URL, edge, cache, coalesced), for the access log
     target_kind: str = "none"  # edge | endpoint | cache | none
     target_stages: tuple[tuple[str, float], ...] = ()  # measured inside the target (Reply.stages)
+    upstream_request_id: bytes | None = None  # the x-request-id the last upstream attempt was sent
 
 
 @dataclass(slots=True)

@@ -17,7 +17,8 @@ GatewayError                       -> {"error": {"message", "type", "param", "co
 │   └── UpstreamConnectError       could not open (or reuse) a connection
 ├── Overloaded              503    the gateway or a target is at capacity (Retry-After)
 ├── NoHealthyUpstream       503    every endpoint of the cluster is down (Retry-After)
-└── UpstreamTimeout         504    no byte from the upstream within the read timeout
+├── UpstreamTimeout         504    no byte from the upstream within the read timeout
+└── DeadlineExceeded        504    the request's own deadline passed before it could start
 
 ``ClientGone`` is not a ``GatewayError``: nobody is left to answer.
 
@@ -27,6 +28,8 @@ subclasses of the above, so a caller that only cares about the status can ignore
 """
 
 from __future__ import annotations
+
+import math
 
 import orjson
 
@@ -49,6 +52,7 @@ __all__ = [
     "PoolTimeout",
     "UpstreamTimeout",
     "UpstreamReadTimeout",
+    "DeadlineExceeded",
     "error_body",
     "send_error",
 ]
@@ -82,7 +86,8 @@ class GatewayError(Exception):
     def headers(self) -> list[tuple[bytes, bytes]]:
         if self.retry_after is None:
             return []
-        return [(b"retry-after", str(max(1, round(self.retry_after))).encode())]
+        # rounded up: a client that waits what it was told must not come back too early
+        return [(b"retry-after", str(max(1, math.ceil(self.retry_after - 1e-9))).encode())]
 
 
 class InvalidRequest(GatewayError):
@@ -171,6 +176,15 @@ class UpstreamTimeout(GatewayError):
 
 class UpstreamReadTimeout(UpstreamTimeout):
     pass
+
+
+class DeadlineExceeded(GatewayError):
+    """The request's deadline (``x-latency-budget-ms`` or its tenant's budget) passed while it
+    waited in the gateway's queue or the engine's, or before its upstream sent headers."""
+
+    status = 504
+    type = "server_error"
+    code = "deadline_exceeded"
 
 
 class ClientGone(Exception):

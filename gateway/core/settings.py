@@ -8,13 +8,14 @@ be 'http1', 'http2' or 'http3'``.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import os
 import re
 import warnings
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import yaml
 from pydantic import (
@@ -147,11 +148,31 @@ class EndpointSettings(_Model):
     adaptive: bool = False  # move the limit with measured TTFT (AIMD), up to max_concurrency (or pool_size)
     api_key: SecretStr | None = None  # sent as "Authorization: Bearer ..." to this endpoint
     api_key_env: str | None = None  # or: the environment variable holding it
+    # "user:password" sent as Basic auth; a url's userinfo (http://user:pw@host/v1) is moved
+    # here when the configuration is read, so the url shown in headers, metrics, pages and logs has none
+    basic_auth: SecretStr | None = None
     verify_tls: bool = Field(True, validation_alias=AliasChoices("verify", "verify_tls"))  # `verify`: check the upstream's certificate on https://
     ca_file: str | None = None  # PEM file of the roots that sign the upstream's certificate (default: the system's; certifi's for http3)
     fallback: Literal["http2"] | None = None  # http3 only: use HTTP/2 over TLS when QUIC cannot be established (UDP blocked)
     fallback_after_s: float = Field(1.0, gt=0)  # http3 with a fallback: how long a QUIC handshake may take before falling back
     early_data: bool = False  # http3: send requests as 0-RTT early data on resumed connections (replayable: opt in)
+    # the x-request-id sent with each request: uuid (a new UUID; llama.cpp's server refuses any
+    # other form), passthrough (the client's own id), off (none); the client's id is logged beside it
+    request_id: Literal["uuid", "passthrough", "off"] = "uuid"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _userinfo_out_of_the_url(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not isinstance(data.get("url"), str):
+            return data
+        parts = urlsplit(data["url"])
+        if parts.username is None and parts.password is None:
+            return data
+        host = parts.netloc.rpartition("@")[2]
+        data = {**data, "url": urlunsplit(parts._replace(netloc=host))}
+        if data.get("basic_auth") is None:
+            data["basic_auth"] = f"{unquote(parts.username or '')}:{unquote(parts.password or '')}"
+        return data
 
     @field_validator("url")
     @classmethod
@@ -175,6 +196,12 @@ class EndpointSettings(_Model):
         return None if value is None else _readable_file(value)
 
     @model_validator(mode="after")
+    def _one_credential(self) -> EndpointSettings:
+        if self.basic_auth is not None and (self.api_key is not None or self.api_key_env):
+            raise ValueError("give the endpoint an api_key or Basic auth credentials (basic_auth, or user:password@ in its url), not both")
+        return self
+
+    @model_validator(mode="after")
     def _quic_options(self) -> EndpointSettings:
         if self.protocol == "http3" and not self.url.startswith("https://"):
             raise ValueError("protocol http3 needs an https:// url")
@@ -189,7 +216,9 @@ class ClusterSettings(_Model):
     name: str  # cluster name, shown in metrics and x-edgegw-route
     models: tuple[str, ...] = ()  # model names served; empty: discovered from GET /v1/models
     endpoints: tuple[EndpointSettings, ...] = Field(min_length=1)  # replicas, tried in turn on failure
-    discovery_interval_s: float = Field(30.0, gt=0)  # how often discovered models are refreshed
+    # how often discovered models are refreshed (and at once when a request names a model
+    # nobody listed); never while a request is in flight to the endpoint
+    discovery_interval_s: float = Field(300.0, gt=0)
     discovery_timeout_s: float = Field(5.0, gt=0)  # an endpoint's GET <base>/models must answer within this
 
 
@@ -475,6 +504,15 @@ def cpu_set(cpus: str) -> frozenset[int]:
     return frozenset(result)
 
 
+def endpoint_authorization(endpoint: EndpointSettings) -> str | None:
+    """The ``Authorization`` header value an endpoint gets: Bearer with its api_key, Basic
+    with its basic_auth, else none."""
+    if endpoint.basic_auth is not None:
+        return "Basic " + base64.b64encode(endpoint.basic_auth.get_secret_value().encode()).decode()
+    key = endpoint_api_key(endpoint)
+    return f"Bearer {key}" if key else None
+
+
 def endpoint_api_key(endpoint: EndpointSettings) -> str | None:
     if endpoint.api_key is not None:
         return endpoint.api_key.get_secret_value()
@@ -528,10 +566,10 @@ def quickstart_settings(
     protocol: str = "http1",
     cache: str | None = None,
 ) -> Settings:
-    """Settings for ``edgegw serve --upstream URL ... [--cache memory|redis://...]``: one
-    cluster whose models are discovered; no cache unless asked for."""
+    """Settings for ``edgegw serve --upstream URL ... [--cache memory|off|redis://...]``: one
+    cluster whose models are discovered; the in-memory cache unless asked otherwise."""
     try:
-        cache_config = CacheConfig.from_cli(cache) if cache else CacheConfig(backend="off")
+        cache_config = CacheConfig.from_cli(cache) if cache else CacheConfig(backend="memory")
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     clusters = []

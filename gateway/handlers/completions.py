@@ -12,7 +12,7 @@ from gateway.core.context import WRITER, RequestContext
 from gateway.core.errors import GatewayError, send_error
 from gateway.observe import Metrics
 from gateway.pipeline import Pipeline
-from gateway.relay import respond_json, respond_sse
+from gateway.relay import KeepAlive, fail_sse, respond_json, respond_sse
 from gateway.replies import Answer
 
 __all__ = ["CompletionsApp"]
@@ -29,20 +29,29 @@ class CompletionsApp:
         ctx: RequestContext = scope["edgegw"]
         answer = Answer()
         failure: BaseException | None = None
+        started = False  # a stream's head went out before its answer (keep-alives while it waited)
         try:
             parsed = ctx.parsed
-            await self.pipeline.answer(ctx, parsed, answer)
+            keepalive = KeepAlive(send, ctx, self.pipeline.ping) if parsed.stream else None
+            try:
+                await self.pipeline.answer(ctx, parsed, answer)
+            finally:
+                if keepalive is not None:
+                    started = await keepalive.stop()
             reply = answer.reply
             ctx.served.via = reply.label
             ctx.served.target_kind = answer.target_kind
             series = self.metrics.series(parsed.model, reply.label)
-            if reply.status >= 400 or not parsed.stream:
-                await respond_json(send, ctx, answer, series)
-            else:
-                await respond_sse(send, ctx, answer, series, scope.get(WRITER))
+            if started or (parsed.stream and reply.status < 400):
+                await respond_sse(send, ctx, answer, series, scope.get(WRITER), started=started)
                 failure = answer.failed_mid_stream
+            else:
+                await respond_json(send, ctx, answer, series)
         except GatewayError as exc:
             failure = exc
+            if started and not ctx.delivery.finished:
+                await fail_sse(send, ctx, exc)  # the head went out: the error is the stream's
+                return
             if ctx.delivery.status:
                 raise  # the response had started: nothing more can be said to this client
             ctx.delivery.status = exc.status

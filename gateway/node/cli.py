@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument(
         "--cache",
         metavar="BACKEND",
-        help="exact-response cache: memory | off | redis://HOST:PORT/DB | tiered+redis://HOST:PORT/DB",
+        help="exact-response cache: memory (the default with --upstream) | off | redis://HOST:PORT/DB | tiered+redis://HOST:PORT/DB",
     )
     serve.add_argument(
         "--model",
@@ -177,6 +177,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 2
     listen = settings.listen
     logging.basicConfig(level=listen.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _quiet_clients()
     if listen.workers > 1 or settings.engine_in_own_process:
         return Supervisor(settings, _serve_worker).run()  # gateway/workers.py
     config = uvicorn_config(settings, create_app(settings))
@@ -194,6 +195,7 @@ def _serve_worker(settings: Settings, node: Node, sock: socket.socket) -> None:
     logging.basicConfig(
         level=listen.log_level.upper(), format=f"%(asctime)s %(levelname)s worker {node.index} %(name)s: %(message)s"
     )
+    _quiet_clients()
     private = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     path = node.worker_socket(node.index)
     with contextlib.suppress(FileNotFoundError):
@@ -204,6 +206,14 @@ def _serve_worker(settings: Settings, node: Node, sock: socket.socket) -> None:
     redact_logs("uvicorn", "uvicorn.error", "uvicorn.access")
     server = _DrainingServer(config, listen, high_water=settings.limits.stream_buffer_bytes, reuse_port=True)
     server.run(sockets=[sock, private])
+
+
+def _quiet_clients() -> None:
+    """httpx logs every request it sends at INFO: the gateway's probes and model discovery
+    would fill the log. Its warnings still show (``--log-level debug`` shows the rest)."""
+    if logging.getLogger().level > logging.DEBUG:
+        for name in ("httpx", "httpcore"):
+            logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def uvicorn_config(settings: Settings, app, **overrides) -> uvicorn.Config:

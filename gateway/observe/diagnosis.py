@@ -91,12 +91,15 @@ class Diagnosis:
         queue = self._queue_of(target)
         samples = [s for s in state.samples if now - s.at <= WINDOW_S] if state is not None else []
         gaps = list(state.gaps)[-2048:] if state is not None else []
+        # an answer that failed says nothing of how long answers take (a server that refuses
+        # a malformed request in 5 ms would otherwise make the target look network-bound)
+        answered = [s for s in samples if s.ok]
         stages: dict[str, list[float]] = {}
-        for s in samples:
+        for s in answered:
             for name, seconds in s.stages.items():
                 stages.setdefault(name, []).append(seconds)
-        ttfts = [s.ttft for s in samples if s.ttft is not None]
-        tpots = [s.tpot for s in samples if s.tpot is not None]
+        ttfts = [s.ttft for s in answered if s.ttft is not None]
+        tpots = [s.tpot for s in answered if s.tpot is not None]
         figures = {
             "requests": len(samples),
             "requests_per_s": round(len(samples) / WINDOW_S, 3),
@@ -151,7 +154,7 @@ class Diagnosis:
         rtt = self._rtt_of(target) or 0.0
         if pool + rtt >= 0.5 * ttft:
             return "network_bound", f"connect p50 {pool * 1000:.0f} ms + round trip {rtt * 1000:.0f} ms of TTFT p50 {ttft * 1000:.0f} ms"
-        prompts = [s.prompt_tokens for s in samples if s.ttft is not None]
+        prompts = [s.prompt_tokens for s in samples if s.ok and s.ttft is not None]
         if wait < 0.1 * ttft and len(set(prompts)) > 2:
             r = _correlation(prompts, ttfts)
             if r is not None and r >= 0.7:

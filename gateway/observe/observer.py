@@ -53,20 +53,21 @@ class Observer:
             self.diagnosis.record(
                 served.via,
                 kind,
-                Observation(time.monotonic(), stages, first, tpot, ctx.charge.prompt_tokens, status < 500, delivery.gaps),
+                Observation(time.monotonic(), stages, first, tpot, ctx.charge.prompt_tokens, status < 400, delivery.gaps),
             )
         if self.tracing is not None:
             self.tracing.finish(ctx, total)
         if self.access_log:
             stage_text = ",".join(f"{name}:{seconds * 1000:.1f}" for name, seconds in (*stages.items(), *served.target_stages))
             access_log.info(
-                "%s %s %s tenant=%s model=%s via=%s ttft=%s total=%.1fms trace=%s stages=%s",
+                "%s %s %s tenant=%s model=%s via=%s upstream_id=%s ttft=%s total=%.1fms trace=%s stages=%s",
                 ctx.request_id.decode(),
                 ctx.api,
                 status,
                 tenant.name if tenant is not None else "-",
                 ctx.model,
                 served.via,
+                served.upstream_request_id.decode() if served.upstream_request_id else "-",
                 "-" if ttft is None else f"{ttft * 1000:.1f}ms",
                 total * 1000,
                 ctx.trace.trace_id or "-",

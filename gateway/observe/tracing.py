@@ -21,6 +21,9 @@ Spans are exported in batches from the SDK's own thread, never from the event lo
 
 from __future__ import annotations
 
+import logging
+import threading
+
 from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
@@ -34,6 +37,9 @@ from gateway.core.settings import TracingSettings
 
 __all__ = ["Tracing"]
 
+logger = logging.getLogger("edgegw.tracing")
+
+_GIVE_UP_S = 2.0  # an export (and the last one, at shutdown) waits no longer for the collector
 _PROPAGATOR = TraceContextTextMapPropagator()
 _CONTEXT_HEADERS = (b"traceparent", b"tracestate")
 
@@ -44,12 +50,18 @@ class Tracing:
             resource=Resource.create({"service.name": settings.service_name}),
             sampler=ParentBased(TraceIdRatioBased(settings.sample_ratio)),
         )
-        self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=settings.otlp_url)))
+        exporter = OTLPSpanExporter(endpoint=settings.otlp_url, timeout=_GIVE_UP_S)
+        self.provider.add_span_processor(BatchSpanProcessor(exporter, export_timeout_millis=_GIVE_UP_S * 1000))
         self.tracer = self.provider.get_tracer("edgegw")
 
     def shutdown(self) -> None:
-        """Export what is still buffered (from the lifespan's end, on a thread)."""
-        self.provider.shutdown()
+        """Export what is still buffered (from the lifespan's end, on a thread), giving up
+        after ``_GIVE_UP_S``: a dead or silent collector must not hold the gateway's exit."""
+        exporting = threading.Thread(target=self.provider.shutdown, name="otlp-shutdown", daemon=True)
+        exporting.start()
+        exporting.join(_GIVE_UP_S)
+        if exporting.is_alive():
+            logger.warning("traces: the collector took nothing within %g s; the last spans are dropped", _GIVE_UP_S)
 
     def begin(self, ctx) -> None:
         """Start ``ctx``'s server span at its arrival (``ctx``: a ``RequestContext``)."""

@@ -88,6 +88,7 @@ class Dispatcher:
         try:
             return decide(request, table, fleet.health, time.monotonic(), edge=fleet.edge_stats(), rng=self.rng)
         except UnknownModel:
+            fleet.discover_soon()  # a server may have gained it since the last look
             if fleet.undiscovered(parsed.model):
                 raise NoHealthyUpstream(
                     f"the models of the upstream servers are not known yet; '{parsed.model}' may be one of them",
@@ -212,6 +213,7 @@ class Dispatcher:
         attempts = targets[: self.settings.limits.max_attempts]
         health = self.fleet.health
         last_error: GatewayError | None = None
+        kinds: set[type] = set()
         for attempt, target in enumerate(attempts, 1):
             if attempt > 1:
                 if not health.try_retry(time.monotonic()):
@@ -223,6 +225,7 @@ class Dispatcher:
                 raise  # the budget is spent: another target cannot start it in time either
             except _RETRYABLE as exc:
                 last_error = exc
+                kinds.add(type(exc))
                 continue
             if reply.status >= 500 and attempt < len(attempts):
                 await reply.aclose()
@@ -233,4 +236,6 @@ class Dispatcher:
         if last_error is not None:
             message += f" (last error: {last_error.message})"
             retry_after = last_error.retry_after or retry_after
+            if len(kinds) == 1:  # every attempt failed the same way: say which (e.g. upstream_pool_timeout)
+                raise type(last_error)(message, code=last_error.code, retry_after=retry_after)
         raise NoHealthyUpstream(message, retry_after=retry_after)

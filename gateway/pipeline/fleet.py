@@ -15,16 +15,18 @@ upstream starts at once and answers 503 with ``Retry-After`` until it answers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import logging
 import time
+import uuid
 from collections.abc import Iterator
 
 import orjson
 
 from gateway.core.context import RequestContext
 from gateway.core.deadline import Deadline
-from gateway.core.errors import GatewayError, NoHealthyUpstream, PoolTimeout, UpstreamConnectError
+from gateway.core.errors import DeadlineExceeded, GatewayError, NoHealthyUpstream, PoolTimeout, UpstreamConnectError
 from gateway.core.openai import ParsedRequest
 from gateway.core.settings import ClusterSettings, Settings
 from gateway.engine import EdgeClient, EdgeEngine
@@ -38,13 +40,19 @@ __all__ = ["ClusterPool", "Fleet", "HealthFeed"]
 
 logger = logging.getLogger("edgegw.fleet")
 
+_MIN_DISCOVERY_GAP_S = 1.0
+
 _BREAKER_DOC = "Circuit breaker of the endpoint: 0 closed, 1 half-open, 2 open (ejected)."
 _BREAKER_VALUE = {"closed": 0, "half_open": 1, "open": 2}
 
 
 class ClusterPool:
     """The pools of a cluster's endpoints (routing's table holds the cluster itself), and its
-    models: configured, or discovered from the endpoints' ``GET <base>/models``."""
+    models: configured, or discovered from the endpoints' ``GET <base>/models``.
+
+    Discovery never asks an endpoint that has a request in flight (``busy``): some servers
+    cut their running generation for any new request (llama.cpp's server), and a busy
+    endpoint keeps the models it listed last."""
 
     def __init__(self, settings: ClusterSettings, upstreams: list[Upstream]) -> None:
         self.name = settings.name
@@ -52,15 +60,18 @@ class ClusterPool:
         self.upstreams = upstreams
         self.models: tuple[str, ...] = tuple(settings.models)
         self.discovers = not settings.models
+        self._listed: dict[str, frozenset[str]] = {}  # endpoint URL -> the models it listed last
 
     def spec(self) -> ClusterSpec:
         return ClusterSpec(self.name, self.models, tuple(u.url for u in self.upstreams))
 
-    async def discover(self, timeout: float) -> bool:
-        """Refresh the model list from the endpoints; True if it changed. An endpoint that
-        is down or answers nonsense lists nothing, with a warning naming it."""
-        found: set[str] = set()
+    async def discover(self, timeout: float, busy=lambda url: False) -> bool:
+        """Refresh the model list from the endpoints that are not ``busy``; True if it
+        changed. An endpoint that is down or answers nonsense lists nothing, with a warning
+        naming it."""
         for upstream in self.upstreams:
+            if busy(upstream.url):
+                continue
             url = upstream.models_url
             try:
                 response = await asyncio.wait_for(upstream.client.get(url), timeout)
@@ -73,10 +84,10 @@ class ClusterPool:
                 continue
             try:
                 data = orjson.loads(response.content).get("data", [])
-                found.update(m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str))
+                self._listed[upstream.url] = frozenset(m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str))
             except (orjson.JSONDecodeError, AttributeError, TypeError):
                 logger.warning("model discovery: GET %s did not answer an OpenAI model list", url)
-        models = tuple(sorted(found))
+        models = tuple(sorted(set().union(*self._listed.values())))
         if not models or models == self.models:
             return False
         self.models = models
@@ -98,12 +109,27 @@ class HealthFeed:
 
     def not_opened(self, endpoint: str, exc: BaseException, started: float, now: float) -> None:
         """Opening failed (``exc`` a ``GatewayError``) or was cancelled (anything else: a
-        hedge's loser, a client gone, which is not the endpoint's fault)."""
-        ok = not isinstance(exc, GatewayError)
-        if not ok:
-            kind = "pool_timeout" if isinstance(exc, PoolTimeout) else "connect" if isinstance(exc, UpstreamConnectError) else exc.code or "error"
-            self.metrics.upstream_errors.labels(endpoint, kind).inc()
-        self.health.record_end(endpoint, ok, 0, now - started, now)
+        hedge's loser, a client gone). Only what the endpoint did counts against it: not a
+        connection that never came free here (``PoolTimeout``), nor the request's own
+        deadline, nor a cancellation."""
+        if not isinstance(exc, GatewayError):
+            self.health.record_abandoned(endpoint, now)
+            return
+        kind = "pool_timeout" if isinstance(exc, PoolTimeout) else "connect" if isinstance(exc, UpstreamConnectError) else exc.code or "error"
+        self.metrics.upstream_errors.labels(endpoint, kind).inc()
+        if isinstance(exc, (PoolTimeout, DeadlineExceeded)):
+            self.health.record_abandoned(endpoint, now)
+        else:
+            self.health.record_end(endpoint, False, 0, now - started, now)
+
+    def answered_error(self, endpoint: str, status: int, started: float, now: float) -> None:
+        """The endpoint answered this request with an error status. 502, 503 and 504 say the
+        endpoint (or what is behind it) cannot serve: a failure. Any other status is its
+        verdict on this request (a 4xx; a 500 that some servers give a malformed request):
+        the endpoint is alive, and a burst of such answers to one client's mistakes must not
+        eject it for every tenant. Neither feeds the latency estimates."""
+        self.metrics.upstream_errors.labels(endpoint, f"http_{status}").inc()
+        self.health.record_end(endpoint, status not in (502, 503, 504), 0, now - started, now)
 
     def first_token(self, endpoint: str, ttft_s: float, now: float) -> None:
         self.health.record_first_token(endpoint, ttft_s, now)
@@ -133,6 +159,7 @@ class Fleet:
         self.queues: dict[str, TargetQueue] = {}  # endpoint URL or "edge" -> its queue
         self.tracing = None  # gateway.observe.tracing.Tracing when traces are on
         self._tasks: set[asyncio.Task] = set()
+        self._asked = asyncio.Event()  # a request named a model nobody listed (discover_soon)
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -187,7 +214,7 @@ class Fleet:
             # the usual case (healthy upstreams answering in milliseconds) is ready at once;
             # a dead or silent upstream delays start-up by at most this, then keeps trying
             await asyncio.wait(first, timeout=settings.limits.startup_wait_s)
-        if self.upstreams:
+        if self.upstreams and self.routing.health.probe_path is not None:
             self._spawn(self._probe_loop())
 
     async def aclose(self) -> None:
@@ -212,13 +239,26 @@ class Fleet:
 
     async def _discover(self, cluster: ClusterPool, discovered: asyncio.Event) -> None:
         """Discover at once, again every second until something answers, then at the
-        configured interval."""
+        configured interval, or sooner when a request asks for a model nobody listed
+        (``discover_soon``)."""
         settings = cluster.settings
         while True:
-            if await cluster.discover(settings.discovery_timeout_s):
+            if await cluster.discover(settings.discovery_timeout_s, self._busy):
                 self._build_table()
             discovered.set()
-            await asyncio.sleep(settings.discovery_interval_s if cluster.models else min(1.0, settings.discovery_interval_s))
+            self._asked.clear()
+            interval = settings.discovery_interval_s if cluster.models else min(1.0, settings.discovery_interval_s)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._asked.wait(), interval)
+            await asyncio.sleep(_MIN_DISCOVERY_GAP_S)  # an unknown model asked for in a loop asks at most this often
+
+    def discover_soon(self) -> None:
+        """A request asked for a model no cluster lists: look again now (servers that load
+        models on demand, a model added to a running server)."""
+        self._asked.set()
+
+    def _busy(self, url: str) -> bool:
+        return self.health is not None and self.health.endpoint(url).inflight > 0
 
     async def _probe_loop(self) -> None:
         """Active health checks: probe what ``HealthState`` says is due, record the result."""
@@ -315,8 +355,10 @@ class Fleet:
                 parsed.kind, parsed.data, ctx.request_id.decode(), limits.keepalive_interval_s, ctx.tenant.rank, deadline
             )
         upstream = self.upstreams[target.endpoint]
+        forward = [*_request_id(upstream.settings.request_id, ctx), *ctx.forward]
         budget = deadline.header(now)
-        forward = ctx.forward if budget is None else [*ctx.forward, (b"x-latency-budget-ms", budget)]
+        if budget is not None:
+            forward.append((b"x-latency-budget-ms", budget))
         if self.tracing is not None:
             forward = self.tracing.client(ctx, upstream.url, "endpoint", forward)
         feed = self.feed
@@ -324,7 +366,7 @@ class Fleet:
         feed.sent(upstream.url, sent_at)
         try:
             body = await parsed.encoded()
-            response = await upstream.request(parsed.kind, forward, body, deadline.left(now) if parsed.stream else None)
+            response = await upstream.request(parsed.kind, forward, body, deadline.left(now))
         except BaseException as exc:
             feed.not_opened(upstream.url, exc, sent_at, time.monotonic())
             raise
@@ -333,9 +375,17 @@ class Fleet:
         )
         self.metrics.child(self.metrics.upstream_requests, upstream.url, response.protocol).inc()
         if response.status >= 500:
-            self.metrics.upstream_errors.labels(upstream.url, f"http_{response.status}").inc()
-            reply.finish(False, 0, time.monotonic())
+            reply.answered_error()
         return reply
+
+
+def _request_id(policy: str, ctx: RequestContext) -> list[tuple[bytes, bytes]]:
+    """The ``x-request-id`` an endpoint gets (``endpoints[].request_id``), noted for the log."""
+    if policy == "off":
+        return []
+    rid = ctx.request_id if policy == "passthrough" else str(uuid.uuid4()).encode()
+    ctx.served.upstream_request_id = rid
+    return [(b"x-request-id", rid)]
 
 
 def _open_geo(config) -> GeoLocator | None:

@@ -39,7 +39,7 @@ import itertools
 import math
 import time
 
-from gateway.core.errors import Overloaded
+from gateway.core.errors import DeadlineExceeded, Overloaded
 from gateway.core.tenant import Tenant
 
 __all__ = ["Slot", "TargetQueue", "QueueDeadline"]
@@ -48,10 +48,8 @@ _RANKS = 3
 _SERVICE_ALPHA = 0.2
 
 
-class QueueDeadline(Overloaded):
-    """The request's deadline passed while it waited for the target."""
-
-    code = "deadline_exceeded"
+class QueueDeadline(DeadlineExceeded):
+    """The request's deadline passed while it waited for the target (504)."""
 
 
 class _Ticket:

@@ -11,7 +11,20 @@ May import: ``gateway.replies`` (the ``Answer`` and ``Reply`` it relays), ``gate
 """
 
 from gateway.relay.meter import Meter, measured, usage_tokens
-from gateway.relay.respond import Stall, respond_json, respond_sse, respond_websocket
+from gateway.relay.respond import KeepAlive, Stall, fail_sse, open_sse, openai_error, respond_json, respond_sse, respond_websocket
 from gateway.relay.splice import Splice
 
-__all__ = ["Meter", "Splice", "Stall", "measured", "respond_json", "respond_sse", "respond_websocket", "usage_tokens"]
+__all__ = [
+    "KeepAlive",
+    "Meter",
+    "Splice",
+    "Stall",
+    "fail_sse",
+    "measured",
+    "open_sse",
+    "openai_error",
+    "respond_json",
+    "respond_sse",
+    "respond_websocket",
+    "usage_tokens",
+]

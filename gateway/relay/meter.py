@@ -8,6 +8,7 @@ TTFT and inter-token gaps, and tells the reply when its first token came and how
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import AsyncIterator
 
@@ -15,27 +16,36 @@ import orjson
 
 from cache import is_usage_chunk
 from gateway.core.context import RequestContext
-from gateway.core.errors import GatewayError
-from gateway.core.sse import sse_events, sse_payloads
+from gateway.core.errors import GatewayError, UpstreamProtocolError
+from gateway.core.sse import DONE, error_event, sse_events, sse_payloads
 from gateway.observe import Series
 from gateway.replies import Answer
 
 __all__ = ["Meter", "measured", "usage_tokens"]
 
+# a finish_reason that is a string (JSON written with or without spaces), or an error event
+_FINISHED = re.compile(rb'"finish_reason"\s*:\s*"|data:\s*\{\s*"error"')
+
 
 class Meter:
     """What is noted of each run of events on its way to the client, whoever carries it
     (the request's task through ``measured``, or a ``Splice`` inside the upstream's
-    callback): TTFT and inter-token gaps, the reply's first token, the count, and the usage
-    chunk read (and taken out when it was asked for on the client's behalf)."""
+    callback): TTFT and inter-token gaps, the reply's first token, the count, the usage
+    chunk read (and taken out when it was asked for on the client's behalf), and whether the
+    stream finished: a ``[DONE]`` before any ``finish_reason`` (llama.cpp's server ends a
+    generation that way when another request interrupts it) is a stream cut short, and the
+    client gets an error event before the ``[DONE]``, never a silent truncation."""
 
-    __slots__ = ("ctx", "answer", "series", "chunks", "_last", "_usage")
+    __slots__ = ("ctx", "answer", "series", "chunks", "events", "finished", "cut", "_last", "_usage")
 
     def __init__(self, ctx: RequestContext, answer: Answer, series: Series) -> None:
         self.ctx = ctx
         self.answer = answer
         self.series = series
         self.chunks = 0
+        self.events = 0  # runs of events that carried more than [DONE]
+        self.finished = False  # a finish_reason (or an error event) has gone by
+        self.cut = False  # the upstream said [DONE] before it finished
         self._last = 0.0
         self._usage = answer.hide_usage or ctx.wants_usage
 
@@ -60,9 +70,24 @@ class Meter:
         self._last = now
         self.chunks += 1
 
-    def usage(self, events: bytes) -> bytes:
+    def outgoing(self, events: bytes) -> bytes:
+        """``events`` as the client gets them (the usage chunk read, or taken out; an error
+        event before a ``[DONE]`` that came before any ``finish_reason``)."""
+        if not self.finished and (
+            b'"finish_reason":"' in events  # the usual compact JSON: no regex on the hot path
+            or ((b'"error"' in events or b'"finish_reason" ' in events or b'"finish_reason": ' in events) and _FINISHED.search(events))
+        ):
+            self.finished = True
         if self._usage and b'"usage"' in events:
-            return _take_usage(self.ctx, events, self.answer.hide_usage)
+            events = _take_usage(self.ctx, events, self.answer.hide_usage)
+        if not self.finished and DONE in events:
+            if events.replace(DONE, b"").strip():
+                self.events += 1
+            self.cut = True
+            self.answer.failed_mid_stream = error = _cut(self.events)
+            events = events.replace(DONE, error_event(error) + DONE, 1)
+        else:
+            self.events += 1
         return events
 
 
@@ -89,16 +114,33 @@ async def measured(
             yield None
             continue
         if not events:
+            if not meter.finished and not meter.cut:  # it ended before its first event, or unfinished
+                error = _cut(meter.events)
+                if recorder is not None:
+                    await recorder.finish(False)
+                reply.finish(False, meter.chunks, time.monotonic())
+                ctx.delivery.tokens = meter.chunks
+                ctx.timing.mark("decode" if meter.chunks else "first_token")
+                raise error
             if recorder is not None:
-                await recorder.finish(True)
-            reply.finish(True, meter.chunks, time.monotonic())
+                await recorder.finish(not meter.cut)
+            reply.finish(not meter.cut, meter.chunks, time.monotonic())
             ctx.delivery.tokens = meter.chunks
             ctx.timing.mark("decode")
             return
         meter.note(events)
         if recorder is not None:
             await recorder.feed(events)
-        yield meter.usage(events)
+        yield meter.outgoing(events)
+
+
+def _cut(events: int) -> UpstreamProtocolError:
+    if not events:
+        return UpstreamProtocolError("the upstream ended the stream before its first event", code="upstream_empty_stream")
+    return UpstreamProtocolError(
+        f"the upstream ended the stream without finishing it (no finish_reason after {events} runs of events)",
+        code="upstream_stream_cut",
+    )
 
 
 def _carries_token(events: bytes) -> bool:

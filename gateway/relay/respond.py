@@ -20,7 +20,7 @@ from gateway.relay.meter import Meter, measured, usage_tokens
 from gateway.relay.splice import Splice
 from gateway.replies import Answer
 
-__all__ = ["Stall", "respond_json", "respond_sse", "respond_websocket"]
+__all__ = ["KeepAlive", "Stall", "fail_sse", "open_sse", "openai_error", "respond_json", "respond_sse", "respond_websocket"]
 
 _DROP_RESPONSE_HEADERS = frozenset(
     {
@@ -34,8 +34,10 @@ _DROP_RESPONSE_HEADERS = frozenset(
         b"x-request-id",
         b"x-edgegw-route",  # an edgegw behind this one: the answer says this gateway's route and cache
         b"x-cache",
+        b"x-accel-buffering",  # the gateway says its own for a stream
     }
 )
+_ERROR_EXCERPT = 200  # bytes of an upstream's error body quoted in the message
 _WS_DONE = '{"type":"done"}'
 _STOPPED = Overloaded("the gateway stopped this stream: it is shutting down and the drain time ran out", code="shutting_down")
 
@@ -50,8 +52,27 @@ def _headers(ctx: RequestContext, answer: Answer) -> list[tuple[bytes, bytes]]:
     return headers
 
 
+def openai_error(status: int, data: bytes) -> dict:
+    """The ``error`` object of an upstream's error answer: its own when it sent an
+    OpenAI-shaped one, else one that keeps its status and quotes the start of its body
+    (llama.cpp's server answers some requests with an empty body, some with a traceback)."""
+    try:
+        error = orjson.loads(data).get("error")
+    except (orjson.JSONDecodeError, AttributeError):
+        error = None
+    if isinstance(error, dict) and isinstance(error.get("message"), str):
+        return {"message": error["message"], "type": error.get("type"), "param": error.get("param"), "code": error.get("code")}
+    excerpt = data[:_ERROR_EXCERPT].decode("utf-8", "replace").strip()
+    if isinstance(error, str) and error:
+        excerpt = error[:_ERROR_EXCERPT]
+    message = f"the upstream answered {status}" + (f": {excerpt}" if excerpt else " with no body")
+    kind = "invalid_request_error" if status < 500 else "upstream_error"
+    return {"message": message, "type": kind, "param": None, "code": f"upstream_http_{status}"}
+
+
 async def respond_json(send, ctx: RequestContext, answer: Answer, series: Series) -> None:
-    """A whole answer (non-streaming, or an error status from the backend) in one body."""
+    """A whole answer (non-streaming, or an error status from the backend) in one body; an
+    error in whatever shape the backend sent it goes to the client OpenAI-shaped."""
     reply = answer.reply
     data = await reply.read_body()
     ctx.timing.mark("decode", "answer body")
@@ -66,6 +87,9 @@ async def respond_json(send, ctx: RequestContext, answer: Answer, series: Series
         except orjson.JSONDecodeError:
             pass
     headers = _headers(ctx, answer)
+    if not ok:
+        data = orjson.dumps({"error": openai_error(reply.status, data)})
+        headers = [(k, v) for k, v in headers if k != b"content-type"] + [(b"content-type", b"application/json")]
     headers.append((b"content-length", str(len(data)).encode()))
     headers.append((b"server-timing", ctx.timing.header()))
     ctx.delivery.status = reply.status
@@ -117,20 +141,94 @@ class Stall(Watch):
         self._dog.discard(self)
 
 
-async def respond_sse(send, ctx: RequestContext, answer: Answer, series: Series, writer: BodyWriter | None = None) -> None:
-    """Relay the answer as SSE: headers at once, then each run of events as it comes, a
-    ``: ping`` comment after each quiet spell; a reply that breaks off ends the stream with
-    an OpenAI error event and ``[DONE]``. With a listener's ``writer`` and nothing to record
-    for the cache, events go straight from the upstream's callback to the client while it
-    keeps up (``Splice``)."""
-    reply = answer.reply
-    headers = _headers(ctx, answer)
-    if not any(name == b"cache-control" for name, _ in headers):
-        headers.append((b"cache-control", b"no-cache"))
-    headers.append((b"x-accel-buffering", b"no"))
+_SSE_HEAD = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+_PING_MESSAGE = {"type": "http.response.body", "body": PING, "more_body": True}
+
+
+async def open_sse(send, ctx: RequestContext) -> None:
+    """Start a stream's response before its answer is known (its target is slow to send
+    headers, or it waits in a queue): 200 and the SSE headers now, so that keep-alives flow
+    (``KeepAlive``); the answer, or its error, follows as events (``respond_sse(...,
+    started=True)``, ``fail_sse``)."""
+    headers = [*_SSE_HEAD, (b"x-request-id", ctx.request_id), *ctx.charge.rate_headers]
     headers.append((b"server-timing", ctx.timing.header()))
-    ctx.delivery.status = reply.status
-    await send({"type": "http.response.start", "status": reply.status, "headers": headers})
+    ctx.delivery.status = 200  # before the send: a keep-alive stopped during it has sent the head
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+
+
+class KeepAlive(Watch):
+    """A stream's keep-alive while its answer is not in hand (it waits in a queue, or its
+    target holds its headers until its first token): past ``ping`` seconds, the head goes out
+    (``open_sse``) and a ``: ping`` every ``ping`` seconds, from a task of its own, so the
+    client and the proxies between see a live stream. Nothing is armed on the hot path but a
+    watch in the loop's sweep; the task exists only for a stream that waits."""
+
+    __slots__ = ("send", "ctx", "ping", "due", "task", "_dog")
+
+    def __init__(self, send, ctx: RequestContext, ping: float) -> None:
+        self.send = send
+        self.ctx = ctx
+        self.ping = ping
+        self.task: asyncio.Task | None = None
+        self._dog = watchdog()
+        self.due = self._dog.loop.time() + ping
+        self._dog.add(self)
+
+    def overdue(self, now: float) -> bool:
+        return now >= self.due
+
+    def expire(self) -> None:
+        self.task = self._dog.loop.create_task(self._run())
+
+    async def _run(self) -> None:
+        await open_sse(self.send, self.ctx)
+        while True:
+            await asyncio.sleep(self.ping)
+            await self.send(_PING_MESSAGE)
+
+    async def stop(self) -> bool:
+        """Stop it; True when the stream's head went out (the answer follows as events)."""
+        self._dog.discard(self)
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+        return self.ctx.delivery.status != 0
+
+
+async def fail_sse(send, ctx: RequestContext, exc: GatewayError) -> None:
+    """End a stream whose response has started with ``exc`` as an OpenAI error event and
+    ``[DONE]``."""
+    ctx.responded()
+    await send({"type": "http.response.body", "body": error_event(exc) + DONE, "more_body": True})
+    await send({"type": "http.response.body", "body": b""})
+
+
+async def respond_sse(
+    send, ctx: RequestContext, answer: Answer, series: Series, writer: BodyWriter | None = None, *, started: bool = False
+) -> None:
+    """Relay the answer as SSE: headers at once (unless ``open_sse`` sent them already:
+    ``started``), then each run of events as it comes, a ``: ping`` comment after each quiet
+    spell; a reply that breaks off ends the stream with an OpenAI error event and ``[DONE]``,
+    and so does an error answer on a started stream. With a listener's ``writer`` and nothing
+    to record for the cache, events go straight from the upstream's callback to the client
+    while it keeps up (``Splice``)."""
+    reply = answer.reply
+    if started:
+        if reply.status >= 400:
+            error = openai_error(reply.status, await reply.read_body())
+            failure = GatewayError(error["message"], param=error["param"], code=error["code"])
+            failure.type = error["type"] or "upstream_error"
+            answer.failed_mid_stream = failure
+            await fail_sse(send, ctx, failure)
+            return
+    else:
+        headers = _headers(ctx, answer)
+        if not any(name == b"cache-control" for name, _ in headers):
+            headers.append((b"cache-control", b"no-cache"))
+        headers.append((b"x-accel-buffering", b"no"))
+        headers.append((b"server-timing", ctx.timing.header()))
+        ctx.delivery.status = reply.status
+        await send({"type": "http.response.start", "status": reply.status, "headers": headers})
     message = {"type": "http.response.body", "body": b"", "more_body": True}
     meter = Meter(ctx, answer, series)
     splice = Splice(reply, meter, writer) if writer is not None and answer.recorder is None else None
@@ -184,12 +282,8 @@ async def respond_websocket(send, ctx: RequestContext, answer: Answer, series: S
     reply = answer.reply
     if reply.status >= 400:
         data = await reply.read_body()
-        try:
-            error = orjson.loads(data).get("error")
-        except (orjson.JSONDecodeError, AttributeError):
-            error = None
         ctx.delivery.status = reply.status
-        await send({"type": "websocket.send", "text": ws_error(reply.status, error)})
+        await send({"type": "websocket.send", "text": ws_error(reply.status, openai_error(reply.status, data))})
         return
     ctx.delivery.status = reply.status
     message = {"type": "websocket.send", "text": ""}

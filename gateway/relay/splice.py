@@ -68,7 +68,7 @@ class Splice:
     def _events(self, events: bytes) -> None:
         meter = self.meter
         meter.note(events)  # timed as it arrives
-        events = meter.usage(events)
+        events = meter.outgoing(events)
         if events:
             if not self._pending:
                 self._loop.call_soon(self.flush)

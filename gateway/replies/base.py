@@ -86,6 +86,8 @@ class HealthSink(Protocol):
 
     def ended(self, endpoint: str, ok: bool, tokens: int, duration_s: float, now: float, ttft_s: float | None) -> None: ...
 
+    def answered_error(self, endpoint: str, status: int, started: float, now: float) -> None: ...
+
 
 class Paced:
     """Pulls an async iterator one item at a time; ``QUIET`` when ``ping`` seconds pass

@@ -31,7 +31,7 @@ from edge_engine.errors import (
     EngineOverloadedError,
     InvalidRequestError,
 )
-from gateway.core.errors import GatewayError, InvalidRequest, NoHealthyUpstream, Overloaded, UpstreamError, UpstreamTimeout
+from gateway.core.errors import DeadlineExceeded, GatewayError, InvalidRequest, NoHealthyUpstream, Overloaded, UpstreamError
 from gateway.core.sse import DONE, EventReader, sse_event
 from gateway.replies.base import JSON, SSE, Paced, Reply
 from gateway.upstream import UpstreamResponse
@@ -49,7 +49,7 @@ _STAGES_EVENT = re.compile(rb"(?m)^: x-engine-stages ([^\r\n]*)\r?\n\r?\n")
 ENGINE_ERRORS: dict[type[EngineError], Callable[[EngineError], GatewayError]] = {
     InvalidRequestError: lambda e: InvalidRequest(e.message, param=e.param, code=e.code),
     EngineOverloadedError: lambda e: Overloaded(e.message, code=e.code, retry_after=e.retry_after),
-    DeadlineExceededError: lambda e: UpstreamTimeout(e.message, code="deadline_exceeded"),  # dropped in its queue, never run
+    DeadlineExceededError: lambda e: DeadlineExceeded(e.message),  # dropped in its queue, never run
     EngineClosedError: lambda e: NoHealthyUpstream(e.message, code=e.code, retry_after=1.0),
     EngineError: lambda e: UpstreamError(e.message, code=e.code or "engine_error"),
 }

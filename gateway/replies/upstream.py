@@ -72,7 +72,18 @@ class UpstreamReply(Reply):
             if self.slot is not None:
                 self.slot.release(self._ttft)
 
+    def answered_error(self) -> None:
+        """The upstream answered with a 5xx status: its end, reported as what it says of the
+        endpoint (``HealthSink.answered_error``), no TTFT measured."""
+        if not self._ended:
+            self._ended = True
+            self._health.answered_error(self.upstream.url, self.status, self.sent_at, time.monotonic())
+            if self.slot is not None:
+                self.slot.release(None)
+
     async def aclose(self) -> None:
         # closed before the relay finished it: cancelled, not the endpoint's fault
         self.finish(True, 0, time.monotonic())
+        if self.slot is not None:  # ended before it had its slot (an error status): give it back now
+            self.slot.release(self._ttft)
         self.response.close()

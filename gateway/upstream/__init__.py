@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from gateway.core.settings import EndpointSettings, endpoint_api_key
+from gateway.core.settings import EndpointSettings, endpoint_authorization
 from gateway.upstream.base import Body, Origin, Pool, Timeouts, UpstreamResponse
 from gateway.upstream.http1 import H1Pool
 from gateway.upstream.http2 import H2Pool
@@ -67,9 +67,9 @@ class Upstream:
         # whose clients read nothing must not make a healthy endpoint look dead
         self.control: Pool = _pool(settings, origin, self.timeouts, high_water, control=True)
         self.headers: list[tuple[bytes, bytes]] = [_JSON]
-        key = endpoint_api_key(settings)
-        if key:
-            self.headers.append((b"authorization", b"Bearer " + key.encode()))
+        authorization = endpoint_authorization(settings)
+        if authorization:
+            self.headers.append((b"authorization", authorization.encode()))
         self.client = httpx.AsyncClient(
             base_url=f"{parts.scheme}://{parts.netloc}",
             transport=PoolTransport(self.control, settings.read_timeout_s),
@@ -79,7 +79,7 @@ class Upstream:
                 write=settings.write_timeout_s,
                 pool=settings.pool_timeout_s,
             ),
-            headers={"authorization": f"Bearer {key}"} if key else None,
+            headers={"authorization": authorization} if authorization else None,
         )
 
     async def request(

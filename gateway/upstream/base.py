@@ -19,7 +19,7 @@ from typing import Protocol
 
 import ssl as ssl_module
 
-from gateway.core.errors import PayloadTooLarge, PoolTimeout, UpstreamConnectError, UpstreamReadTimeout
+from gateway.core.errors import DeadlineExceeded, PayloadTooLarge, PoolTimeout, UpstreamConnectError, UpstreamReadTimeout
 
 __all__ = [
     "Body", "MultiplexedPool", "Origin", "Pool", "Refused", "Timeouts", "UpstreamResponse",
@@ -516,9 +516,8 @@ def head_timeout(head: asyncio.Future, timeout: float, budget: bool = False) -> 
     the limit was what was left of the request's latency budget)."""
     if not head.done():
         if budget:
-            error = UpstreamReadTimeout(
-                f"no response headers from the upstream within the request's latency budget ({timeout * 1000:.0f} ms left)",
-                code="deadline_exceeded",
+            error = DeadlineExceeded(
+                f"no response headers from the upstream within the request's latency budget ({timeout * 1000:.0f} ms left)"
             )
         else:
             error = UpstreamReadTimeout(f"no response headers from the upstream within {timeout:g} s")

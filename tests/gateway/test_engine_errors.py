@@ -34,7 +34,7 @@ EXAMPLES = [
     pytest.param(EngineOverloadedError("the queue is full", retry_after=3), 503, id="overloaded"),
     pytest.param(DeadlineExceededError(), 504, id="deadline"),
     pytest.param(EngineClosedError(), 503, id="closed"),
-    pytest.param(EngineError("a step raised", code="engine_failure"), 500, id="internal"),
+    pytest.param(EngineError("a step raised", code="engine_failure"), 502, id="internal"),
 ]
 
 

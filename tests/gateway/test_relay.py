@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+import uuid
 
 import httpx
 import openai
@@ -63,7 +64,9 @@ def test_request_id_and_server_timing(setup):
     fake, gw = setup
     response = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, headers={"x-request-id": "abc-123"})
     assert response.headers["x-request-id"] == "abc-123"
-    assert fake.requests[-1].headers["x-request-id"] == "abc-123"
+    # the endpoint gets a UUID of its own (llama.cpp's server refuses any other form)
+    sent = fake.requests[-1].headers["x-request-id"]
+    assert str(uuid.UUID(sent)) == sent
     stages = dict(part.split(";", 1)[0:2] for part in response.headers["server-timing"].split(", "))
     assert {"admit", "pool", "upstream", "total"} <= set(stages)
     generated = httpx.post(gw.url + "/v1/chat/completions", json=CHAT).headers["x-request-id"]
@@ -437,3 +440,18 @@ def test_sse_framing_round_trips():
     assert sse_payloads(events) == [b'{"a":1}', b'{"b":2}', b"[DONE]"]
     assert sse_payloads(b"data:x\r\ndata: y\r\n\r\n") == [b"x\ny"]
     assert sse_event(b"[DONE]") == DONE
+
+
+@pytest.mark.parametrize(
+    "policy, expect",
+    [
+        pytest.param("passthrough", "abc-123", id="passthrough"),
+        pytest.param("off", None, id="off"),
+    ],
+)
+def test_the_request_id_an_endpoint_gets_is_its_own_setting(upstreams, gateways, policy, expect):
+    fake = upstreams()
+    gw = gateways({"clusters": [cluster(fake, request_id=policy)]})
+    response = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, headers={"x-request-id": "abc-123"})
+    assert response.status_code == 200 and response.headers["x-request-id"] == "abc-123"
+    assert fake.requests[-1].headers.get("x-request-id") == expect

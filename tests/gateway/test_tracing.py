@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.server
 import logging
+import socket
 import threading
 import time
 
@@ -15,6 +16,8 @@ import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from websockets.sync.client import connect as ws_connect
 
+from gateway.core.settings import TracingSettings
+from gateway.observe.tracing import Tracing
 from tests.conftest import cluster, ws_answer
 from tests.fakes import free_port
 
@@ -148,3 +151,23 @@ def test_an_edge_answer_shows_the_engines_own_stages_in_its_trace_metrics_and_lo
         assert f'edgegw_stage_seconds_count{{stage="{stage}",target_kind="edge"}} 2.0' in metrics
     logged = [r.getMessage() for r in caplog.records if r.name == "edgegw.access"]
     assert len(logged) == 2 and all("engine_prefill:" in line and "engine_decode:" in line for line in logged)
+
+
+def test_a_silent_collector_does_not_hold_the_gateways_exit(caplog):
+    """A collector that accepts connections and never answers: the last spans are given up
+    after two seconds (with a warning), not after the exporter's retries (30 s and more)."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)  # accepted by the kernel, never read or answered
+    try:
+        tracing = Tracing(TracingSettings(otlp_url=f"http://127.0.0.1:{silent.getsockname()[1]}/v1/traces"))
+        with tracing.tracer.start_as_current_span("request"):
+            pass
+        stopping = threading.Thread(target=tracing.shutdown)
+        with caplog.at_level(logging.WARNING, logger="edgegw.tracing"):
+            stopping.start()
+            stopping.join(20)  # a bound for a hung test, not a speed assertion: it returns after ~2 s
+            assert not stopping.is_alive()
+        assert "the last spans are dropped" in caplog.text
+    finally:
+        silent.close()
