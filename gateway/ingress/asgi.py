@@ -170,6 +170,16 @@ class RequestStream:
     def wake_writer(self) -> None:
         _wake(self._writer)
 
+    def discard_body(self) -> int:
+        """Drop the body chunks the app did not take; returns their flow-controlled
+        length, which the connection gives back to the client (an app that answers without
+        reading the body, a 401 or a 415, must not dry up the connection's window)."""
+        flow = 0
+        for _, length in self._body:
+            flow += length
+        self._body.clear()
+        return flow
+
     async def wait_writable(self) -> None:
         """Park the app's ``send`` until the connection calls ``wake_writer``."""
         waiter = self._writer = self._loop.create_future()

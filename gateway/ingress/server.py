@@ -23,7 +23,7 @@ from uvicorn.config import STARTUP_FAILURE
 
 from gateway.ingress.h2 import H2ServerProtocol
 from gateway.ingress.h3 import H3Listener, serve_http3
-from gateway.settings import ListenSettings
+from gateway.settings import LimitSettings, ListenSettings
 
 __all__ = ["AltSvcApp", "Server", "tls_context"]
 
@@ -78,7 +78,12 @@ class _AlpnSwitch(asyncio.Protocol):
         protocol: asyncio.Protocol
         if alpn == "h2":
             protocol = H2ServerProtocol(
-                config.loaded_app, server.server_state, server.lifespan.state, keep_alive=config.timeout_keep_alive
+                config.loaded_app,
+                server.server_state,
+                server.lifespan.state,
+                keep_alive=config.timeout_keep_alive,
+                limits=server.limits,
+                max_connections=config.limit_concurrency,
             )
         else:
             protocol = config.http_protocol_class(  # uvicorn's HTTP/1.1 (httptools or h11)
@@ -94,16 +99,33 @@ class Server(uvicorn.Server):
     ``high_water`` is the relay buffer (``limits.stream_buffer_bytes``): the HTTP/3 listener
     keeps at most that many unacknowledged bytes per stream before it blocks the app.
     ``reuse_port``: the HTTPS and HTTP/3 ports are shared with the node's other workers
-    (SO_REUSEPORT), each of which opens its own listeners."""
+    (SO_REUSEPORT), each of which opens its own listeners. ``limits``: the header limits and
+    what one HTTP/2 or HTTP/3 connection may cost (default: those the HTTP/1.1 protocol
+    class was made with, ``H1Protocol.with_limits``); ``limits.max_connections`` is
+    uvicorn's ``limit_concurrency``, counted over every listener's connections."""
 
     def __init__(
-        self, config: uvicorn.Config, listen: ListenSettings, *, high_water: int = 256 * 1024, reuse_port: bool = False
+        self,
+        config: uvicorn.Config,
+        listen: ListenSettings,
+        *,
+        high_water: int = 256 * 1024,
+        reuse_port: bool = False,
+        limits: LimitSettings | None = None,
     ) -> None:
         super().__init__(config)
         self.listen = listen
         self.high_water = high_water
         self.reuse_port = reuse_port
+        self._limits = limits
         self.http3: H3Listener | None = None
+
+    @property
+    def limits(self) -> LimitSettings:
+        if self._limits is None:  # uvicorn resolves the protocol class when it loads the config
+            protocol = getattr(self.config, "http_protocol_class", None)
+            self._limits = getattr(protocol, "limits", None) or LimitSettings()
+        return self._limits
 
     async def startup(self, sockets=None) -> None:
         listen = self.listen
@@ -137,6 +159,8 @@ class Server(uvicorn.Server):
                     app_state=self.lifespan.state,
                     high_water=self.high_water,
                     reuse_port=self.reuse_port,
+                    limits=self.limits,
+                    max_connections=self.config.limit_concurrency,
                 )
                 logger.info("HTTP/3 on udp://%s:%d", listen.host, listen.http3.port)
         except (OSError, ssl.SSLError) as exc:
