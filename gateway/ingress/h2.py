@@ -86,6 +86,7 @@ _MAX_CONTINUATIONS = 32  # CONTINUATION frames per header block (h2 itself stops
 _UPDATES_PER_DATA = 2  # WINDOW_UPDATEs (stream and connection) each DATA frame sent earns the client
 _MAX_UPDATE_CREDIT = 10_000
 _CLOSE_GRACE = 5.0  # seconds a closed connection may take to flush its GOAWAY before it is aborted
+_LINGER = 1.0  # seconds a connection closed for a flood is still read (and what it sends dropped)
 _PAUSED_TURN = 1  # reading paused: this turn's frames are used up
 _PAUSED_WRITE = 2  # reading paused: the write buffer is over its high-water mark
 
@@ -310,8 +311,10 @@ class H2ServerProtocol(asyncio.Protocol):
         except h2.exceptions.ProtocolError as exc:
             if isinstance(exc, h2.exceptions.DenialOfServiceError):
                 logger.warning("closing the HTTP/2 connection of %s: %s", _peer(self._client), exc)
-            self._flush()  # h2's GOAWAY
-            self._close()
+            self._flush()  # h2's GOAWAY (ENHANCE_YOUR_CALM for a header list over the cap)
+            for stream in list(self._streams.values()):
+                stream.disconnect()
+            self._abandon(linger=True)
             return
         for event in events:
             kind = type(event)
@@ -384,13 +387,14 @@ class H2ServerProtocol(asyncio.Protocol):
             app = refusal(431, "request_header_fields_too_large", problem)
         elif self._overloaded:
             app = too_many_connections(self._limits)
-            self.shutdown()  # this stream is answered, later ones refused, then GOAWAY
         stream = self._streams[stream_id] = RequestStream(
             self, stream_id, scope, False, self._server_state.default_headers
         )
         task = stream.task = self._loop.create_task(stream.run(app))
         self._server_state.tasks.add(task)
         task.add_done_callback(self._server_state.tasks.discard)
+        if self._overloaded:
+            self.shutdown()  # this stream is answered, later ones refused, then GOAWAY
 
     def _wake_writers(self, stream_id: int) -> None:
         if stream_id:
@@ -519,11 +523,16 @@ class H2ServerProtocol(asyncio.Protocol):
         self._flush()
         for stream in list(self._streams.values()):
             stream.disconnect()
-        self._abandon()
+        self._abandon(linger=True)
 
-    def _abandon(self) -> None:
+    def _abandon(self, linger: bool = False) -> None:
         """Close the transport: at once when the client reads nothing (its buffer would
-        never flush), else after the last bytes, and aborted if that takes too long."""
+        never flush), else after the last bytes, and aborted if that takes too long.
+
+        ``linger``: a client still sending (a flood) would have its unread bytes answered
+        by the kernel with a reset as the socket closes, and a reset destroys what the
+        client has not read yet: the GOAWAY. So the connection is read (and what arrives
+        dropped) for ``_LINGER`` seconds first, as nginx's lingering close does."""
         self._closed = True
         self._inbox.clear()
         transport = self._transport
@@ -531,8 +540,17 @@ class H2ServerProtocol(asyncio.Protocol):
             return
         if self._write_paused:
             transport.abort()
+        elif linger:
+            if self._paused:
+                self._paused = 0
+                transport.resume_reading()
+            self._loop.call_later(_LINGER, self._close_transport)
         else:
-            transport.close()
+            self._close_transport()
+
+    def _close_transport(self) -> None:
+        if not self._lost and self._transport is not None:
+            self._transport.close()
             self._loop.call_later(_CLOSE_GRACE, self._abort_if_open)
 
     def _abort_if_open(self) -> None:

@@ -282,11 +282,11 @@ class _H3ServerConnection(QuicConnectionProtocol):
         elif kind is quic_events.StopSendingReceived or kind is quic_events.StreamReset:
             self._h3.handle_event(event)
             stream_id = event.stream_id
+            stream = self._streams.get(stream_id)
             if stream_id in self._h3.refused:  # a request the listener answered: its client stops sending
                 self._h3.refused.discard(stream_id)
-            elif stream_id % 4 == 0:
+            elif stream_id % 4 == 0 and (stream is None or not stream.disconnected):  # once per request
                 self._guard.spend(RESETS, self._loop.time())
-            stream = self._streams.get(stream_id)
             if stream is not None and (kind is quic_events.StopSendingReceived or event.error_code != ErrorCode.H3_NO_ERROR):
                 self._gone(stream)
         elif kind is quic_events.ConnectionTerminated:
