@@ -18,12 +18,7 @@ import h2.errors
 import hpack
 import httpx
 import pytest
-from aioquic.asyncio.client import connect as quic_connect
-from aioquic.asyncio.protocol import QuicConnectionProtocol
-from aioquic.h3.connection import H3_ALPN, ErrorCode, H3Connection, encode_frame
-from aioquic.h3.events import DataReceived, HeadersReceived
-from aioquic.quic.configuration import QuicConfiguration
-from aioquic.quic.events import ConnectionTerminated
+from aioquic.h3.connection import ErrorCode
 
 from gateway.ingress import H2ServerProtocol
 from gateway.ingress.guard import refusal
@@ -31,7 +26,7 @@ from gateway.settings import LimitSettings, Settings
 from tests.conftest import cluster
 from tests.fakes import FakeUpstream
 from tests.fakes_h3 import IngressGateway, client_pool, fetch, ingress_gateways  # noqa: F401 (fixture)
-from tests.raw_h2 import PREFACE, RawH2, headers_frame
+from bench.flood_clients import H2_FLOODS, PREFACE, RawH2, h3_connect, headers_frame
 
 ENHANCE_YOUR_CALM = h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
 LIMITS = {
@@ -76,50 +71,7 @@ async def flood(client: RawH2, batch, batches: int = 400) -> int:
     return batches
 
 
-def rapid_reset(client: RawH2):
-    def batch(i: int) -> bytes:
-        frames = []
-        for _ in range(20):
-            stream_id = client.new_stream()
-            frames.append(client.headers_frame(stream_id) + client.rst(stream_id))
-        return b"".join(frames)
-
-    return batch
-
-
-def empty_data(client: RawH2):
-    stream_id = client.new_stream()
-    client.write(client.headers_frame(stream_id, "/v1/chat/completions", "POST", end_stream=False))
-    return lambda i: client.empty_data(stream_id) * 20
-
-
-def endless_continuation(client: RawH2, payload: bytes):
-    stream_id = client.new_stream()
-    client.write(client.headers_frame(stream_id, end_headers=False))
-    return lambda i: client.continuation(stream_id, payload) * 4
-
-
-def hpack_bomb(client: RawH2):
-    """A 4 KB header indexed once, then referenced 1,000 times (a byte each): ~4 MB decoded
-    from a ~5 KB block."""
-    def batch(i: int) -> bytes:
-        return client.headers_frame(client.new_stream(), extra=[("x-bomb", "a" * 4000)] * 1000)
-
-    return batch
-
-
-FLOODS = [
-    pytest.param(rapid_reset, id="rapid-reset"),
-    pytest.param(lambda c: lambda i: b"".join(c.ping(i * 20 + k) for k in range(20)), id="ping"),
-    pytest.param(lambda c: lambda i: c.settings() * 20, id="settings"),
-    pytest.param(empty_data, id="empty-data"),
-    pytest.param(lambda c: endless_continuation(c, b""), id="empty-continuation"),
-    pytest.param(lambda c: endless_continuation(c, b"\x00" * 4096), id="endless-continuation"),
-    pytest.param(hpack_bomb, id="hpack-bomb"),
-    pytest.param(lambda c: lambda i: c.priority(1 + 2 * i) * 20, id="priority"),
-    pytest.param(lambda c: lambda i: c.unknown() * 20, id="unknown-frames"),
-    pytest.param(lambda c: lambda i: c.window_update() * 20, id="window-updates"),
-]
+FLOODS = [pytest.param(make_batch, id=name) for name, make_batch in H2_FLOODS.items()]
 
 
 @pytest.mark.parametrize("make_batch", FLOODS)
@@ -144,7 +96,7 @@ async def test_other_listeners_answer_while_a_rapid_reset_flood_runs(gw, certifi
     flooder = await RawH2.connect(gw.tls_port, certificate[0])
     other = await RawH2.connect(gw.tls_port, certificate[0])
     h3 = client_pool("h3", gw.h3_port, certificate[0])
-    batch = rapid_reset(flooder)
+    batch = H2_FLOODS["rapid-reset"](flooder)
     answered = 0
     try:
         async with httpx.AsyncClient() as http:
@@ -311,52 +263,8 @@ async def test_max_connections_counts_every_listener(ingress_gateways, certifica
 # -- HTTP/3 ------------------------------------------------------------------------------
 
 
-class H3Client(QuicConnectionProtocol):
-    """aioquic's client with its HTTP/3 layer, for frames the gateway's pool never sends."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.h3 = H3Connection(self._quic)
-        self.terminated = asyncio.Event()
-        self.close_code: int | None = None
-        self.responses: dict[int, list] = {}
-        self.ended: dict[int, asyncio.Event] = {}
-
-    def quic_event_received(self, event) -> None:
-        if isinstance(event, ConnectionTerminated):
-            self.close_code = event.error_code
-            self.terminated.set()
-        for h3_event in self.h3.handle_event(event):
-            if isinstance(h3_event, (HeadersReceived, DataReceived)):
-                answer = self.responses.setdefault(h3_event.stream_id, [None, b""])
-                if isinstance(h3_event, HeadersReceived):
-                    answer[0] = int(dict(h3_event.headers)[b":status"])
-                else:
-                    answer[1] += h3_event.data
-                if h3_event.stream_ended:
-                    self.ended.setdefault(h3_event.stream_id, asyncio.Event()).set()
-
-    def request(self, extra=(), *, end_stream: bool = True) -> int:
-        stream_id = self._quic.get_next_available_stream_id()
-        headers = [(b":method", b"GET"), (b":scheme", b"https"), (b":authority", b"127.0.0.1"), (b":path", b"/healthz")]
-        self.h3.send_headers(stream_id, [*headers, *extra], end_stream=end_stream)
-        self.transmit()
-        return stream_id
-
-    async def response(self, stream_id: int) -> tuple[int, bytes]:
-        await asyncio.wait_for(self.ended.setdefault(stream_id, asyncio.Event()).wait(), 20)
-        status, body = self.responses[stream_id]
-        return status, body
-
-
-def h3_configuration(ca_file: str) -> QuicConfiguration:
-    configuration = QuicConfiguration(is_client=True, alpn_protocols=H3_ALPN, server_name="127.0.0.1")
-    configuration.load_verify_locations(ca_file)
-    return configuration
-
-
 async def test_http3_header_limits_are_answered_431_on_the_stream(gw, certificate):
-    async with quic_connect("127.0.0.1", gw.h3_port, configuration=h3_configuration(certificate[0]), create_protocol=H3Client) as client:
+    async with h3_connect(gw.h3_port, certificate[0]) as client:
         status, body = await client.response(client.request([(b"x-h%d" % i, b"v") for i in range(25)]))
         assert status == 431 and "20 headers" in error_of(body)["message"]
         # 2,000 headers / 40 KB: over max_header_bytes before decoding, refused undecoded
@@ -369,27 +277,16 @@ async def test_http3_header_limits_are_answered_431_on_the_stream(gw, certificat
         assert not client.terminated.is_set()
 
 
-def h3_rapid_reset(client: H3Client, i: int) -> None:
-    """A request cancelled at once, as HTTP/3 clients cancel: RESET_STREAM and STOP_SENDING."""
-    stream_id = client.request(end_stream=False)
-    client._quic.reset_stream(stream_id, ErrorCode.H3_REQUEST_CANCELLED)
-    client._quic.stop_stream(stream_id, ErrorCode.H3_REQUEST_CANCELLED)
-
-
-def h3_unknown_control_frames(client: H3Client, i: int) -> None:
-    client._quic.send_stream_data(client.h3._local_control_stream_id, encode_frame(0x21, b"") * 10)
-
-
 @pytest.mark.parametrize(
     "send",
     [
-        pytest.param(h3_rapid_reset, id="rapid-reset"),
+        pytest.param(lambda client, i: client.rapid_reset(), id="rapid-reset"),
         pytest.param(lambda client, i: client._quic.send_ping(i), id="ping"),
-        pytest.param(h3_unknown_control_frames, id="unknown-control-frames"),
+        pytest.param(lambda client, i: client.unknown_control_frames(), id="unknown-control-frames"),
     ],
 )
 async def test_an_http3_flood_is_closed_with_h3_excessive_load(gw, certificate, send):
-    async with quic_connect("127.0.0.1", gw.h3_port, configuration=h3_configuration(certificate[0]), create_protocol=H3Client) as client:
+    async with h3_connect(gw.h3_port, certificate[0]) as client:
         for i in range(400):
             if client.terminated.is_set():
                 break

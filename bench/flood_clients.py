@@ -1,6 +1,10 @@
-"""A raw HTTP/2 client for flood tests: frames built with hyperframe and hpack, sent as
-they are (no client state machine refuses to send a thousand PINGs or an endless header
-block), over TLS with ALPN h2, as an asyncio protocol.
+"""Clients that flood the gateway's listeners (tests/gateway/test_ingress_floods.py and
+bench/ingress_floods.py): traffic to 127.0.0.1 only.
+
+``RawH2``: HTTP/2 frames built with hyperframe and hpack, sent as they are (no client state
+machine refuses to send a thousand PINGs or an endless header block), over TLS with ALPN h2,
+as an asyncio protocol. ``H3Client``: aioquic's QUIC client with its HTTP/3 layer, for the
+frames the gateway's own HTTP/3 pool never sends (``h3_connect``).
 
 ``RawH2.connect(port, ca_file)`` sends the preface and an empty SETTINGS, and parses what
 the server sends: ``goaway`` (the first GOAWAY frame), ``closed`` (the connection lost),
@@ -17,6 +21,12 @@ import struct
 from dataclasses import dataclass, field
 
 import hpack
+from aioquic.asyncio.client import connect as quic_connect
+from aioquic.asyncio.protocol import QuicConnectionProtocol
+from aioquic.h3.connection import H3_ALPN, ErrorCode, H3Connection, encode_frame
+from aioquic.h3.events import DataReceived, HeadersReceived
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.events import ConnectionTerminated
 from hyperframe.frame import (
     ContinuationFrame,
     DataFrame,
@@ -239,3 +249,114 @@ class RawH2(asyncio.Protocol):
     async def close(self) -> None:
         self.transport.abort()
         await self.closed.wait()
+
+
+# -- floods ---------------------------------------------------------------------------------
+
+
+def rapid_reset(client: RawH2):
+    def batch(i: int) -> bytes:
+        frames = []
+        for _ in range(20):
+            stream_id = client.new_stream()
+            frames.append(client.headers_frame(stream_id) + client.rst(stream_id))
+        return b"".join(frames)
+
+    return batch
+
+
+def empty_data(client: RawH2):
+    stream_id = client.new_stream()
+    client.write(client.headers_frame(stream_id, "/v1/chat/completions", "POST", end_stream=False))
+    return lambda i: client.empty_data(stream_id) * 20
+
+
+def endless_continuation(client: RawH2, payload: bytes):
+    stream_id = client.new_stream()
+    client.write(client.headers_frame(stream_id, end_headers=False))
+    return lambda i: client.continuation(stream_id, payload) * 4
+
+
+def hpack_bomb(client: RawH2):
+    """A 4 KB header indexed once, then referenced 1,000 times (a byte each): ~4 MB decoded
+    from a ~5 KB block."""
+    def batch(i: int) -> bytes:
+        return client.headers_frame(client.new_stream(), extra=[("x-bomb", "a" * 4000)] * 1000)
+
+    return batch
+
+
+# name -> make(client) -> batch(i): the bytes of the i-th batch of a flood on ``client``
+H2_FLOODS = {
+    "rapid-reset": rapid_reset,
+    "ping": lambda c: lambda i: b"".join(c.ping(i * 20 + k) for k in range(20)),
+    "settings": lambda c: lambda i: c.settings() * 20,
+    "empty-data": empty_data,
+    "empty-continuation": lambda c: endless_continuation(c, b""),
+    "endless-continuation": lambda c: endless_continuation(c, b"\x00" * 4096),
+    "hpack-bomb": hpack_bomb,
+    "priority": lambda c: lambda i: c.priority(1 + 2 * i) * 20,
+    "unknown-frames": lambda c: lambda i: c.unknown() * 20,
+    "window-updates": lambda c: lambda i: c.window_update() * 20,
+}
+
+
+
+
+# -- HTTP/3 ---------------------------------------------------------------------------------
+
+
+class H3Client(QuicConnectionProtocol):
+    """aioquic's client with its HTTP/3 layer: ``request`` sends a GET's HEADERS,
+    ``response`` waits for its answer; ``terminated`` and ``close_code`` tell how the server
+    closed the connection."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.h3 = H3Connection(self._quic)
+        self.terminated = asyncio.Event()
+        self.close_code: int | None = None
+        self.responses: dict[int, list] = {}
+        self.ended: dict[int, asyncio.Event] = {}
+
+    def quic_event_received(self, event) -> None:
+        if isinstance(event, ConnectionTerminated):
+            self.close_code = event.error_code
+            self.terminated.set()
+        for h3_event in self.h3.handle_event(event):
+            if isinstance(h3_event, (HeadersReceived, DataReceived)):
+                answer = self.responses.setdefault(h3_event.stream_id, [None, b""])
+                if isinstance(h3_event, HeadersReceived):
+                    answer[0] = int(dict(h3_event.headers)[b":status"])
+                else:
+                    answer[1] += h3_event.data
+                if h3_event.stream_ended:
+                    self.ended.setdefault(h3_event.stream_id, asyncio.Event()).set()
+
+    def request(self, extra=(), *, end_stream: bool = True, path: bytes = b"/healthz") -> int:
+        stream_id = self._quic.get_next_available_stream_id()
+        headers = [(b":method", b"GET"), (b":scheme", b"https"), (b":authority", b"127.0.0.1"), (b":path", path)]
+        self.h3.send_headers(stream_id, [*headers, *extra], end_stream=end_stream)
+        self.transmit()
+        return stream_id
+
+    async def response(self, stream_id: int, timeout: float = 20) -> tuple[int, bytes]:
+        await asyncio.wait_for(self.ended.setdefault(stream_id, asyncio.Event()).wait(), timeout)
+        status, body = self.responses[stream_id]
+        return status, body
+
+    def rapid_reset(self) -> None:
+        """A request cancelled at once, as HTTP/3 clients cancel: RESET_STREAM and STOP_SENDING."""
+        stream_id = self.request(end_stream=False)
+        self._quic.reset_stream(stream_id, ErrorCode.H3_REQUEST_CANCELLED)
+        self._quic.stop_stream(stream_id, ErrorCode.H3_REQUEST_CANCELLED)
+
+    def unknown_control_frames(self, count: int = 10) -> None:
+        self._quic.send_stream_data(self.h3._local_control_stream_id, encode_frame(0x21, b"") * count)
+
+
+def h3_connect(port: int, ca_file: str):
+    """``async with h3_connect(port, ca_file) as client:`` an ``H3Client`` on 127.0.0.1."""
+    configuration = QuicConfiguration(is_client=True, alpn_protocols=H3_ALPN, server_name="127.0.0.1")
+    configuration.load_verify_locations(ca_file)
+    return quic_connect("127.0.0.1", port, configuration=configuration, create_protocol=H3Client)
