@@ -12,8 +12,9 @@ Request bodies are acknowledged (WINDOW_UPDATE) as the app takes them.
 Cancellation: RST_STREAM from the client, or the connection lost, is an
 ``http.disconnect`` for the app at once.
 
-Idle connections close after ``keep_alive`` seconds without a stream; ``shutdown()`` (the
-server draining) refuses new streams and closes (GOAWAY) once the last one ends.
+Idle connections close after ``keep_alive`` seconds without a stream (a new one that opens
+none, after ``limits.header_timeout_s``); ``shutdown()`` (the server draining) refuses new
+streams and closes (GOAWAY) once the last one ends.
 
 What one connection may cost (``gateway.ingress.guard``; the gateway is one event loop per
 worker, so a connection that takes the loop takes every listener with it):
@@ -494,7 +495,10 @@ class H2ServerProtocol(asyncio.Protocol):
 
     def _arm_idle(self) -> None:
         if self._idle is None and not self._closed:
-            self._idle = self._loop.call_later(self._keep_alive, self._idle_out)
+            # a new connection must open its first stream within limits.header_timeout_s, as a new
+            # HTTP/1.1 connection must send its first request head; later, keep-alive applies
+            wait = self._keep_alive if self._last_stream else min(self._keep_alive, self._limits.header_timeout_s)
+            self._idle = self._loop.call_later(wait, self._idle_out)
 
     def _idle_out(self) -> None:
         self._idle = None

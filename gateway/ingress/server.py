@@ -143,6 +143,8 @@ class Server(uvicorn.Server):
                     listen.host,
                     listen.tls.port,
                     ssl=context,
+                    # a TLS handshake not done within the head's timeout: closed, as a silent HTTP/1.1 client is
+                    ssl_handshake_timeout=self.limits.header_timeout_s,
                     backlog=self.config.backlog,
                     reuse_port=self.reuse_port or None,
                 )

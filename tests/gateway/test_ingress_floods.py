@@ -260,6 +260,22 @@ async def test_max_connections_counts_every_listener(ingress_gateways, certifica
             await client.close()
 
 
+async def test_idle_tls_and_http2_connections_are_closed_after_the_header_timeout(ingress_gateways, certificate):
+    """A connection to the HTTPS port that never finishes its TLS handshake, and an HTTP/2
+    connection that never opens a stream, are closed after ``limits.header_timeout_s`` (as
+    an HTTP/1.1 connection that sends no request head), not kept for the keep-alive."""
+    gw = ingress_gateways({"limits": {"header_timeout_s": 0.5}})
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.tls_port)  # no ClientHello
+    idle = await RawH2.connect(gw.tls_port, certificate[0])
+    try:
+        assert await asyncio.wait_for(reader.read(), 20) == b""  # closed by the gateway
+        assert await idle.wait_closed()
+        assert idle.goaway is not None and idle.goaway.error_code == h2.errors.ErrorCodes.NO_ERROR
+    finally:
+        writer.close()
+        await idle.close()
+
+
 # -- HTTP/3 ------------------------------------------------------------------------------
 
 
