@@ -239,8 +239,10 @@ async def idle_flood(args, deadline: float) -> Tally:
     for _ in range(250):
         held.append(("http2, no stream", await RawH2.connect(args.tls_port, args.ca)))
     tally["connections"] = len(held)
-    # held past the flood by the gateway's head timeout's margin: are they all closed by then?
-    await asyncio.sleep(max(0.0, deadline + 3 - asyncio.get_running_loop().time()))
+    # held for the flood, and until the last one opened is 12 s old (the default
+    # limits.header_timeout_s, 10 s, and a margin): is each closed by then?
+    loop = asyncio.get_running_loop()
+    await asyncio.sleep(max(deadline, loop.time() + 12) - loop.time())
     for kind, conn in held:
         if kind == "http2, no stream":
             if conn.closed.is_set():
