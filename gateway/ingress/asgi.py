@@ -247,8 +247,11 @@ class RequestStream:
 
     async def run(self, app) -> None:
         """Run the app on this stream; a failure before the response is a 500, after it a
-        reset stream (the client must not take a truncated body for a whole one)."""
+        reset stream (the client must not take a truncated body for a whole one). A stream
+        the client reset before its turn came (a "rapid reset") never reaches the app."""
         try:
+            if self.disconnected:
+                return
             try:
                 await app(self.scope, self.receive, self.send)
             except Exception:

@@ -83,6 +83,7 @@ _CONNECTION_WINDOW = 1024 * 1024  # the connection's receive window (HTTP/2's de
 _PREFACE = 24  # b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", before the first frame
 _STREAM_COST = 8  # a new stream (scope, task, the app's first steps) against max_frames_per_turn
 _HEADER_BYTES_PER_UNIT = 32  # header block bytes that cost as much as a frame (HPACK: ~1 us a byte)
+_SETTINGS_COST = 4  # a SETTINGS frame against max_frames_per_turn
 _MAX_CONTINUATIONS = 32  # CONTINUATION frames per header block (h2 itself stops at 64, as PROTOCOL_ERROR)
 _UPDATES_PER_DATA = 2  # WINDOW_UPDATEs (stream and connection) each DATA frame sent earns the client
 _MAX_UPDATE_CREDIT = 10_000
@@ -295,8 +296,12 @@ class H2ServerProtocol(asyncio.Protocol):
             guard.spend(RESETS, now)
         elif kind == 0x6:  # PING (an ACK is unsolicited: the gateway sends none)
             guard.spend(CONTROL if flags & 0x1 else PINGS, now)
-        elif kind == 0x4:  # SETTINGS
-            guard.spend(CONTROL if flags & 0x1 else SETTINGS, now)
+        elif kind == 0x4:  # SETTINGS: applied, acknowledged, and every stream's writer woken
+            if flags & 0x1:
+                guard.spend(CONTROL, now)
+            else:
+                guard.spend(SETTINGS, now)
+                return _SETTINGS_COST
         elif kind == 0x8:  # WINDOW_UPDATE: free as long as DATA frames sent explain it
             if self._update_credit > 0:
                 self._update_credit -= 1
@@ -548,14 +553,19 @@ class H2ServerProtocol(asyncio.Protocol):
             if self._paused:
                 self._paused = 0
                 transport.resume_reading()
-            self._loop.call_later(_LINGER, self._close_transport)
+            self._loop.call_later(_LINGER, self._close_transport, True)
         else:
             self._close_transport()
 
-    def _close_transport(self) -> None:
-        if not self._lost and self._transport is not None:
-            self._transport.close()
-            self._loop.call_later(_CLOSE_GRACE, self._abort_if_open)
+    def _close_transport(self, lingered: bool = False) -> None:
+        transport = self._transport
+        if self._lost or transport is None:
+            return
+        if lingered and transport.get_write_buffer_size():  # a second on, the GOAWAY still waits: it reads nothing
+            transport.abort()
+            return
+        transport.close()
+        self._loop.call_later(_CLOSE_GRACE, self._abort_if_open)
 
     def _abort_if_open(self) -> None:
         if not self._lost and self._transport is not None:

@@ -33,8 +33,10 @@ What one connection may cost (``gateway.ingress.guard``), as for HTTP/2:
   is closed with H3_EXCESSIVE_LOAD. QUIC frames are counted by wrapping aioquic's frame
   handlers, HTTP/3 frames by ``_GuardedH3`` as aioquic parses their headers (private
   hooks, checked against aioquic 1.7);
-- the work per loop turn needs no cap of its own: asyncio reads one datagram per turn from
-  the listener's socket, so one connection's flood never holds the loop for longer;
+- the work per loop turn: at most ``_DATAGRAMS_PER_TURN`` datagrams of one client address
+  are handled per turn, the rest set aside for the next turns (``H3Listener``), so one
+  client's flood is read off the socket quickly and cannot hold the loop, nor the other
+  clients' datagrams queued behind it;
 - header limits: a HEADERS frame over ``limits.max_header_bytes`` is answered 431 on its
   stream without being decoded (its payload is discarded as it arrives, never buffered);
   a decoded list over ``max_header_bytes`` or ``max_header_count``, 431 too. The listener
@@ -51,7 +53,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any
 
 import pylsqpack
@@ -98,6 +100,8 @@ _IDLE_TIMEOUT = 60.0  # seconds without a packet before QUIC closes a connection
 _MAX_TICKETS = 10_000
 _MAX_STREAMS = 100  # request handlers running per connection
 _BLOCKED_STREAMS = 16  # QPACK streams that may wait for encoder instructions (aioquic's default)
+_DATAGRAMS_PER_TURN = 8  # datagrams of one client address handled per event-loop turn
+_MAX_DEFERRED = 64  # datagrams of one client address held for later turns
 _SKIP = 0x21  # a reserved frame type (RFC 9114 7.2.8): aioquic discards its payload as it arrives
 
 # QUIC frames counted against the guard (the others do a request's work, or are ACKs)
@@ -474,12 +478,54 @@ class H3Listener(QuicServer):
         self.limits = limits if limits is not None else LimitSettings()
         self.max_connections = max_connections
         self.accepting = True
+        self._turn_counts: dict[Any, int] = {}  # datagrams handled this turn, per client address
+        self._deferred: dict[Any, deque[bytes]] = {}  # datagrams left for later turns, per client address
+        self._turn_scheduled = False
 
     @property
     def port(self) -> int:
         return self._transport.get_extra_info("sockname")[1]
 
     def datagram_received(self, data: bytes, addr) -> None:
+        """At most ``_DATAGRAMS_PER_TURN`` datagrams of one client address are handled per
+        event-loop turn; the rest wait for the next turns (up to ``_MAX_DEFERRED``, more are
+        dropped, as a full socket buffer would drop them: QUIC sends them again), so that
+        one client's flood is read, and set aside, at the speed of the socket while the
+        other clients' datagrams behind it are served."""
+        counts = self._turn_counts
+        count = counts.get(addr, 0)
+        if count >= _DATAGRAMS_PER_TURN or addr in self._deferred:
+            queue = self._deferred.setdefault(addr, deque())
+            if len(queue) < _MAX_DEFERRED:
+                queue.append(data)
+            self._schedule_turn()
+            return
+        if not counts:
+            self._schedule_turn()  # the counts start again next turn
+        counts[addr] = count + 1
+        self._receive(data, addr)
+
+    def _schedule_turn(self) -> None:
+        if not self._turn_scheduled:
+            self._turn_scheduled = True
+            asyncio.get_running_loop().call_soon(self._next_turn)
+
+    def _next_turn(self) -> None:
+        self._turn_scheduled = False
+        self._turn_counts.clear()
+        deferred, self._deferred = self._deferred, {}
+        for addr, queue in deferred.items():
+            for _ in range(min(len(queue), _DATAGRAMS_PER_TURN)):
+                self._receive(queue.popleft(), addr)
+            self._turn_counts[addr] = _DATAGRAMS_PER_TURN
+            if queue:
+                self._deferred[addr] = queue
+        if self._deferred or self._turn_counts:
+            self._schedule_turn()
+
+    def _receive(self, data: bytes, addr) -> None:
+        if self._transport is None or self._transport.is_closing():
+            return
         if not self.accepting:
             try:
                 header = pull_quic_header(Buffer(data=data), host_cid_length=self._configuration.connection_id_length)
@@ -505,6 +551,7 @@ class H3Listener(QuicServer):
             if protocol._timer is not None:
                 protocol._timer.cancel()
         self._protocols.clear()
+        self._deferred.clear()
         if self._transport is not None:
             self._transport.close()
 

@@ -14,6 +14,8 @@ in-flight streams finish up to ``timeout_graceful_shutdown``.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import logging
 import ssl
 import sys
@@ -30,6 +32,17 @@ __all__ = ["AltSvcApp", "Server", "tls_context"]
 logger = logging.getLogger("edgegw.ingress")
 
 _ALT_SVC_MAX_AGE = 86400
+_TRIM_EVERY_S = 1.0  # how often the connection count is looked at
+_TRIM_AFTER = 100  # connections gone since the last look's peak: give their memory back
+
+
+def _malloc_trim():
+    """glibc's ``malloc_trim`` (None elsewhere)."""
+    name = ctypes.util.find_library("c")
+    if sys.platform != "linux" or name is None:
+        return None
+    libc = ctypes.CDLL(name)
+    return getattr(libc, "malloc_trim", None)
 
 
 class AltSvcApp:
@@ -119,6 +132,7 @@ class Server(uvicorn.Server):
         self.reuse_port = reuse_port
         self._limits = limits
         self.http3: H3Listener | None = None
+        self._trimmer: asyncio.Task | None = None
 
     @property
     def limits(self) -> LimitSettings:
@@ -171,8 +185,31 @@ class Server(uvicorn.Server):
                 server.close()
             await self.lifespan.shutdown()
             sys.exit(STARTUP_FAILURE)
+        trim = _malloc_trim()
+        if trim is not None:
+            self._trimmer = loop.create_task(self._trim_memory(trim))
+
+    async def _trim_memory(self, trim) -> None:
+        """Give the memory of many closed connections back to the system. glibc keeps what
+        they freed (TLS buffers, protocol objects: ~20 KB a connection) in its free lists,
+        scattered, so the process stays as large as its busiest moment: 1,000 idle
+        connections, once closed, would leave ~20 MB behind. ``malloc_trim`` returns the
+        free pages (a few ms for a heap of hundreds of MB); it runs when the count of open
+        connections has dropped by ``_TRIM_AFTER`` from its peak since the last trim."""
+        connections = self.server_state.connections
+        peak = len(connections)
+        while True:
+            await asyncio.sleep(_TRIM_EVERY_S)
+            count = len(connections)
+            if count > peak:
+                peak = count
+            elif peak - count >= _TRIM_AFTER:
+                trim(0)
+                peak = count
 
     async def shutdown(self, sockets=None) -> None:
+        if self._trimmer is not None:
+            self._trimmer.cancel()
         if self.http3 is not None:
             self.http3.stop_accepting()
         try:
