@@ -26,7 +26,8 @@ until the time is up):
   STOP_SENDING), QUIC PINGs;
 - ``idle-1000``: 1,000 connections that send nothing more (500 plain TCP, 250 TLS
   handshakes never made, 250 HTTP/2 connections after their preface), held for the flood;
-- ``none``: no flood, the second client alone (the reference for its latency).
+- ``none``: no flood, a busy loop in the flooder's place on its core (the reference for
+  the second client's latency: a flooder takes CPU from the second client too).
 
 Reported per flood and gateway: the second client's requests, errors, p50/p99/max latency
 (all listeners together, and the worst listener's p99); the flood's connections and how
@@ -139,7 +140,13 @@ async def h2_flood(name: str, args, deadline: float) -> Tally:
             except asyncio.TimeoutError:
                 break
             await asyncio.sleep(0)
+            if unread and i % 100 == 0:  # a glance, every 100 batches: has the gateway closed it?
+                client.transport.resume_reading()
+                await asyncio.sleep(0.001)
+                client.transport.pause_reading()
         tally["batches"] += i
+        if unread:
+            client.transport.resume_reading()
         if client.goaway is None and not client.closed.is_set():  # the time is up: is this one ended too?
             try:
                 await asyncio.wait_for(client.closed.wait(), 2)
@@ -284,8 +291,10 @@ async def run_flood(args) -> dict:
         return dict(await h3_flood(name, args, deadline))
     if name == "idle-1000":
         return dict(await idle_flood(args, deadline))
-    if name == "none":
-        await asyncio.sleep(args.seconds)
+    if name == "none":  # no traffic, but the flooder's CPU use on its core: the reference
+        while loop.time() < deadline:
+            sum(range(10_000))
+            await asyncio.sleep(0)
         return {}
     return dict(await h2_flood(name, args, deadline))
 
