@@ -21,11 +21,11 @@ import threading
 import time
 from typing import Any
 
-import uvicorn
 import pytest
 from uvicorn.server import ServerState
 
 from gateway.node.app import create_app
+from gateway.node.cli import uvicorn_config
 from gateway.ingress import H3Listener, Server, serve_http3
 from gateway.core.settings import ListenSettings, Settings
 from gateway.upstream import H2Pool, H3Pool, Origin, Timeouts
@@ -120,17 +120,8 @@ class IngressGateway:
         self.https_url = f"https://127.0.0.1:{self.tls_port}"
         self.h3_url = f"https://127.0.0.1:{self.h3_port}"
         self.app = create_app(settings)
-        config = uvicorn.Config(
-            self.app,
-            host="127.0.0.1",
-            port=self.port,
-            log_level="error",
-            lifespan="on",
-            http="httptools",
-            ws="auto",
-            proxy_headers=False,
-            timeout_graceful_shutdown=5,
-        )
+        # as `edgegw serve` runs it: the HTTP/1.1 protocol with the limits, max_connections
+        config = uvicorn_config(settings, self.app, host="127.0.0.1", port=self.port, log_level="error", timeout_graceful_shutdown=5)
         self.server = Server(config, settings.listen, high_water=settings.limits.stream_buffer_bytes)
         self.thread = threading.Thread(target=self.server.run, daemon=True, name=f"ingress-{self.port}")
 

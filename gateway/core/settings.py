@@ -119,8 +119,8 @@ class LimitSettings(_Model):
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)  # largest request body accepted (413 above)
     body_timeout_s: float = Field(30.0, gt=0)  # the whole body must arrive this soon after the headers (408)
     header_timeout_s: float = Field(10.0, gt=0)  # a request's line and headers must arrive this soon (408, connection closed)
-    max_header_bytes: int = Field(64 * 1024, ge=1024)  # request line + headers (431, connection closed)
-    max_header_count: int = Field(100, ge=8)  # headers per request (431, connection closed)
+    max_header_bytes: int = Field(64 * 1024, ge=1024)  # request line + headers (431; HTTP/1.1: connection closed; HTTP/2, HTTP/3: on the stream)
+    max_header_count: int = Field(100, ge=8)  # headers per request (431, as above)
     max_response_bytes: int = Field(16 * 1024 * 1024, ge=1024)  # largest non-streaming upstream body relayed
     max_in_flight: int = Field(1024, ge=1)  # concurrent requests before 503 + Retry-After
     max_connections: int = Field(4096, ge=1)  # open client connections before new ones get 503 (uvicorn's limit)
@@ -133,6 +133,16 @@ class LimitSettings(_Model):
     startup_wait_s: float = Field(2.0, ge=0)  # start-up waits this long at most for warm-up and model discovery
     retry_after_s: float = Field(1.0, gt=0)  # Retry-After sent with 503s
     max_budget_ms: float = Field(600_000, gt=0)  # x-latency-budget-ms above this is read as this (and forwarded so)
+    # what one HTTP/2 or HTTP/3 connection may make the gateway do (gateway/ingress/guard.py): each
+    # count is allowed at once and again every flood_interval_s; beyond, GOAWAY ENHANCE_YOUR_CALM
+    # (HTTP/3: H3_EXCESSIVE_LOAD) and the connection is closed
+    flood_interval_s: float = Field(10.0, gt=0)  # the interval the per-connection frame counts below are counted over
+    max_stream_resets: int = Field(1000, ge=1)  # streams a client resets (or opens beyond the concurrency it is allowed)
+    max_pings: int = Field(100, ge=1)  # PING frames
+    max_settings: int = Field(100, ge=1)  # SETTINGS frames
+    max_empty_frames: int = Field(100, ge=1)  # DATA, HEADERS or CONTINUATION (HTTP/3: DATA or STREAM) frames without payload or end of stream
+    max_control_frames: int = Field(1000, ge=1)  # other frames that serve no request: PRIORITY, unknown types, WINDOW_UPDATE beyond 2 per DATA frame sent
+    max_frames_per_turn: int = Field(64, ge=1)  # HTTP/2 frames of one connection handled per event-loop turn before the other connections' turn
 
 
 class EndpointSettings(_Model):

@@ -12,8 +12,17 @@ resets its stream is an ``http.disconnect``):
 
 - ``asgi.py``: one request stream as the app sees it (shared by HTTP/2 and HTTP/3);
 - ``h2.py``: HTTP/2 on h2; ``h3.py``: HTTP/3 on aioquic;
+- ``guard.py``: what one connection may cost (``FloodGuard``: resets, PINGs, SETTINGS,
+  empty and control frames per interval) and the answers every listener gives of its own
+  (header limits, 431, 503 ``too_many_connections``);
 - ``server.py``: ``Server``, ``uvicorn.Server`` plus ``listen.tls`` and ``listen.http3``,
-  and the ``Alt-Svc`` advertisement.
+  and the ``Alt-Svc`` advertisement; ``limits.max_connections`` counts the connections of
+  every listener together.
+
+The gateway is one event loop per worker, so every listener bounds the work one
+connection's bytes may do per loop turn (HTTP/2: ``limits.max_frames_per_turn``; HTTP/3:
+datagrams per client address; HTTP/1.1: uvicorn reads one request at a time): a flood on
+one port must not freeze the others.
 """
 
 from gateway.ingress.asgi import RequestStream

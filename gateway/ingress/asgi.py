@@ -170,6 +170,16 @@ class RequestStream:
     def wake_writer(self) -> None:
         _wake(self._writer)
 
+    def discard_body(self) -> int:
+        """Drop the body chunks the app did not take; returns their flow-controlled
+        length, which the connection gives back to the client (an app that answers without
+        reading the body, a 401 or a 415, must not dry up the connection's window)."""
+        flow = 0
+        for _, length in self._body:
+            flow += length
+        self._body.clear()
+        return flow
+
     async def wait_writable(self) -> None:
         """Park the app's ``send`` until the connection calls ``wake_writer``."""
         waiter = self._writer = self._loop.create_future()
@@ -237,8 +247,11 @@ class RequestStream:
 
     async def run(self, app) -> None:
         """Run the app on this stream; a failure before the response is a 500, after it a
-        reset stream (the client must not take a truncated body for a whole one)."""
+        reset stream (the client must not take a truncated body for a whole one). A stream
+        the client reset before its turn came (a "rapid reset") never reaches the app."""
         try:
+            if self.disconnected:
+                return
             try:
                 await app(self.scope, self.receive, self.send)
             except Exception:

@@ -14,8 +14,15 @@ are answered in plain text. ``H1Protocol`` adds, per connection:
   close (counted as the parser hands over the URL and each header, and as raw bytes
   arrive while a head is incomplete, so an endless header is cut off within one read);
 - OpenAI-shaped JSON for what the parser refuses (``400``: malformed request line, unknown
-  method, smuggling attempts) and for ``limits.max_connections`` (``503`` with
-  ``Retry-After``).
+  method, smuggling attempts, a malformed chunked body) and for ``limits.max_connections``
+  (``503`` with ``Retry-After``; the connections of the HTTPS and HTTP/3 listeners count
+  too). A refusal in the middle of a body whose response has not started is answered too:
+  the app is told the client has gone (``http.disconnect``), and the 400 goes out instead;
+- the framing RFC 9112 asks a server to insist on: exactly one ``Host`` (``400``; HTTP/1.0
+  may have none); ``Transfer-Encoding`` only as a plain ``chunked`` (a coding before it,
+  which the gateway does not decode: ``501``; ``chunked`` not last, twice, or a malformed
+  list, or any ``Transfer-Encoding`` in HTTP/1.0: ``400``), checked before the app sees
+  the request.
 
 A response body may also be written from a callback (``scope[WRITER]``, a
 ``_ChunkWriter``): the relay's ``Splice`` writes SSE events as the upstream delivers them.
@@ -29,21 +36,39 @@ from __future__ import annotations
 
 import weakref
 
+import re
+
 import httptools
-import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.core.context import ON_GONE, WRITER
 from gateway.core.settings import LimitSettings
 from gateway.core.timeouts import Watch, watchdog
+from gateway.ingress.guard import error_body, too_many_bytes, too_many_connections
 
 __all__ = ["H1Protocol"]
 
-_REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+_REASONS = {
+    400: b"Bad Request",
+    408: b"Request Timeout",
+    431: b"Request Header Fields Too Large",
+    501: b"Not Implemented",
+}
+_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # RFC 9110 5.6.2
 
 
-class _TooLarge(Exception):
-    """Raised from a parser callback to stop parsing a head over the limits."""
+class _Refusal(Exception):
+    """Raised from a parser callback to stop parsing a request that is refused."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
+
+class _TooLarge(_Refusal):
+    def __init__(self, message: str) -> None:
+        super().__init__(431, "request_header_fields_too_large", message)
 
 
 class H1Protocol(HttpToolsProtocol):
@@ -65,6 +90,8 @@ class H1Protocol(HttpToolsProtocol):
         self._head_bytes = 0
         self._head_size = 0
         self._header_count = 0
+        self._hosts = 0
+        self._codings: list[bytes] = []  # Transfer-Encoding values
         self._deadline = _HeadDeadline(self)
         self._dog = watchdog()
 
@@ -104,8 +131,9 @@ class H1Protocol(HttpToolsProtocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
-            if isinstance(exc.__context__, _TooLarge):
-                self._refuse(431, "request_header_fields_too_large", str(exc.__context__))
+            refusal = exc.__context__
+            if isinstance(refusal, _Refusal):
+                self._refuse(refusal.status, refusal.code, str(refusal))
             else:
                 self._refuse(400, "invalid_http_request", "Invalid HTTP request received.")
             return
@@ -122,7 +150,7 @@ class H1Protocol(HttpToolsProtocol):
         if self._in_head:
             self._head_bytes += len(data)
             if self._head_bytes > self.limits.max_header_bytes:
-                self._refuse(431, "request_header_fields_too_large", _too_many_bytes(self.limits.max_header_bytes))
+                self._refuse(431, "request_header_fields_too_large", too_many_bytes(self.limits.max_header_bytes))
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -130,13 +158,15 @@ class H1Protocol(HttpToolsProtocol):
         self._head_bytes = 0  # bytes received while the head is incomplete (what httptools buffers)
         self._head_size = 0  # the parsed head: URL, names and values
         self._header_count = 0
+        self._hosts = 0
+        self._codings = []
         if self._deadline not in self._dog.watches:  # a new connection's first request: from the connect
             self._arm()
 
     def on_url(self, url: bytes) -> None:
         self._head_size += len(url)
         if self._head_size > self.limits.max_header_bytes:
-            raise _TooLarge(_too_many_bytes(self.limits.max_header_bytes))
+            raise _TooLarge(too_many_bytes(self.limits.max_header_bytes))
         super().on_url(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -145,13 +175,19 @@ class H1Protocol(HttpToolsProtocol):
             raise _TooLarge(f"a request may have at most {self.limits.max_header_count} headers")
         self._head_size += len(name) + len(value) + 4
         if self._head_size > self.limits.max_header_bytes:
-            raise _TooLarge(_too_many_bytes(self.limits.max_header_bytes))
+            raise _TooLarge(too_many_bytes(self.limits.max_header_bytes))
+        lower = name.lower()
+        if lower == b"host":
+            self._hosts += 1
+        elif lower == b"transfer-encoding":
+            self._codings.append(value)
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
-        self.scope[ON_GONE] = None  # admission's to fill: told here when the client leaves
         self._in_head = False
         self._dog.discard(self._deadline)
+        self._check_framing()
+        self.scope[ON_GONE] = None  # admission's to fill: told here when the client leaves
         limit = self._max_connections
         # this connection is one of ``connections``: the limit-th is still served
         if limit is not None and (len(self.connections) > limit or len(self.tasks) >= limit):
@@ -167,20 +203,47 @@ class H1Protocol(HttpToolsProtocol):
             if cycle is not None and cycle.scope is self.scope:  # not for an upgrade: no cycle of its own
                 self.scope[WRITER] = _ChunkWriter(cycle)
 
+    def _check_framing(self) -> None:
+        """Host and Transfer-Encoding as RFC 9112 3.2 and 6.1 have a server check them."""
+        version = self.parser.get_http_version()
+        if self._hosts > 1 or (self._hosts == 0 and version != "1.0"):
+            raise _Refusal(400, "invalid_http_request", "a request must have exactly one Host header")
+        if not self._codings:
+            return
+        if version == "1.0":
+            raise _Refusal(400, "invalid_http_request", "HTTP/1.0 has no Transfer-Encoding")
+        codings = [coding.strip().lower() for value in self._codings for coding in value.split(b",")]
+        if not all(_TOKEN.fullmatch(coding) for coding in codings):
+            raise _Refusal(400, "invalid_http_request", "malformed Transfer-Encoding")
+        if codings[-1] != b"chunked" or codings.count(b"chunked") > 1:
+            raise _Refusal(400, "invalid_http_request", "Transfer-Encoding must end with chunked, once")
+        if len(codings) > 1:
+            unknown = codings[0].decode("latin-1")
+            raise _Refusal(
+                501, "unsupported_transfer_coding", f"the transfer coding {unknown!r} is not supported (only chunked)"
+            )
+
     def send_400_response(self, msg: str) -> None:
         self._refuse(400, "invalid_http_request", msg)
 
     # -- answers of our own ---------------------------------------------------------------
 
     def _refuse(self, status: int, code: str, message: str) -> None:
-        """Answer ``status`` with an OpenAI error and close; when a response of an earlier
-        request on this connection is still under way, only close (bytes of ours would
-        land inside it)."""
+        """Answer ``status`` with an OpenAI error and close. A request whose body was being
+        read when the parser refused it is taken from the app first (as if its client had
+        gone) when its response has not started; when a response is under way (this
+        request's, or a pipelined earlier one's), only close: bytes of ours would land
+        inside it."""
         self._dog.discard(self._deadline)
         if self.transport is None or self.transport.is_closing():
             return
-        if self.cycle is None or self.cycle.response_complete:
-            body = _error_body(status, code, message)
+        cycle = self.cycle
+        if cycle is not None and cycle.more_body and not cycle.response_started and not self.pipeline:
+            cycle.disconnected = True  # the app's receive() answers http.disconnect, its send() writes nothing
+            cycle.message_event.set()
+            cycle = None
+        if cycle is None or cycle.response_complete:
+            body = error_body(status, code, message)
             head = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS[status])]
             for name, value in self.server_state.default_headers:
                 head.append(name + b": " + value + b"\r\n")
@@ -189,21 +252,12 @@ class H1Protocol(HttpToolsProtocol):
         self.transport.close()
 
     async def _overloaded(self, scope, receive, send) -> None:
-        retry_after = self.limits.retry_after_s
-        body = _error_body(503, "too_many_connections", "the gateway has as many connections as it accepts; retry shortly")
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 503,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", b"%d" % len(body)),
-                    (b"retry-after", b"%d" % max(1, round(retry_after))),
-                    (b"connection", b"close"),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        async def send_and_close(message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message["headers"], (b"connection", b"close")]}
+            await send(message)
+
+        await too_many_connections(self.limits)(scope, receive, send_and_close)
 
 
 class _ChunkWriter:
@@ -251,15 +305,6 @@ class _HeadDeadline(Watch):
     def expire(self) -> None:
         if self.protocol is not None:
             self.protocol.head_timed_out()
-
-
-def _error_body(status: int, code: str, message: str) -> bytes:
-    type_ = "server_error" if status >= 500 else "invalid_request_error"
-    return orjson.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}})
-
-
-def _too_many_bytes(limit: int) -> str:
-    return f"the request line and headers may take at most {limit} bytes"
 
 
 def _parser_message(exc: httptools.HttpParserError) -> str:

@@ -111,7 +111,7 @@ class Stall(Watch):
     """Ends an answer whose client has accepted nothing for ``timeout`` seconds (nginx's
     ``send_timeout``): the request task is cancelled as if the client had left, which closes
     the reply and cancels the upstream request. The hot path only notes when a send starts
-    and ends; the loop's watchdog (``gateway.timeouts``) looks for a send under way too long."""
+    and ends; the loop's watchdog (``gateway.core.timeouts``) looks for a send under way too long."""
 
     __slots__ = ("ctx", "task", "timeout", "sending", "_loop", "_dog")
 

@@ -18,8 +18,12 @@ CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}
 
 
 @pytest.fixture
-def gw(upstreams, gateways):
-    fake = upstreams()
+def fake(upstreams):
+    return upstreams()
+
+
+@pytest.fixture
+def gw(fake, gateways):
     limits = {"header_timeout_s": 0.6, "max_header_bytes": 8192, "max_header_count": 20, "max_connections": 64}
     return gateways({"clusters": [cluster(fake)], "limits": limits})
 
@@ -140,6 +144,63 @@ def test_what_the_parser_refuses_is_an_openai_400(gw, request_bytes):
         sock.sendall(request_bytes)
         error = error_of(read_all(sock), 400)
     assert error["code"] == "invalid_http_request" and error["type"] == "invalid_request_error"
+
+
+CHUNKED = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
+BODY = json.dumps(CHAT).encode()
+
+
+@pytest.mark.parametrize(
+    "request_bytes,status,code,message",
+    [
+        pytest.param(b"GET /healthz HTTP/1.1\r\n\r\n", 400, "invalid_http_request", "exactly one Host", id="no-host"),
+        pytest.param(
+            b"GET /healthz HTTP/1.1\r\nhost: a\r\nhost: b\r\n\r\n", 400, "invalid_http_request", "exactly one Host",
+            id="two-hosts",
+        ),
+        pytest.param(
+            CHUNKED.replace(b"chunked", b"gzip, chunked") + b"%x\r\n%b\r\n0\r\n\r\n" % (len(BODY), BODY),
+            501, "unsupported_transfer_coding", "'gzip'", id="gzip-before-chunked",
+        ),
+        pytest.param(
+            CHUNKED.replace(b"transfer-encoding: chunked", b"transfer-encoding: x-custom\r\ntransfer-encoding: chunked")
+            + b"0\r\n\r\n",
+            501, "unsupported_transfer_coding", "'x-custom'", id="unknown-coding-in-two-fields",
+        ),
+        pytest.param(CHUNKED.replace(b"chunked", b"gzip") + b"{}", 400, "invalid_http_request", "end with chunked", id="gzip-alone"),
+        pytest.param(
+            CHUNKED.replace(b"chunked", b"chunked;q=1") + b"0\r\n\r\n", 400, "invalid_http_request", "malformed", id="coding-with-parameter",
+        ),
+        pytest.param(
+            CHUNKED.replace(b"HTTP/1.1", b"HTTP/1.0") + b"0\r\n\r\n", 400, "invalid_http_request", "HTTP/1.0", id="chunked-in-http10",
+        ),
+        pytest.param(CHUNKED + b"fffffffffffffffffff\r\nab\r\n0\r\n\r\n", 400, "invalid_http_request", "", id="chunk-size-overflow"),
+        pytest.param(CHUNKED + b"5\nhello\n0\n\n", 400, "invalid_http_request", "", id="lf-only-chunk-lines"),
+        pytest.param(CHUNKED + b"zz\r\nhello\r\n0\r\n\r\n", 400, "invalid_http_request", "", id="chunk-size-not-hex"),
+        pytest.param(
+            CHUNKED + b"%x\r\n%b\r\n" % (len(BODY), BODY) + b"5\r\nhello!\r\n0\r\n\r\n", 400, "invalid_http_request", "",
+            id="chunk-longer-than-its-size",
+        ),
+    ],
+)
+def test_framing_the_gateway_does_not_trust_is_refused_in_json_before_the_close(gw, fake, request_bytes, status, code, message):
+    """RFC 9112's framing rules (one Host; chunked as the only, final transfer coding) and
+    every refusal of the parser mid-body are answered in JSON before the connection
+    closes; the upstream never sees such a request."""
+    seen = len(fake.requests)
+    with connect(gw) as sock:
+        sock.sendall(request_bytes)
+        error = error_of(read_all(sock), status)
+    assert error["code"] == code and message in error["message"]
+    assert len(fake.requests) == seen
+    assert httpx.get(gw.url + "/healthz").status_code == 200
+
+
+def test_an_http10_request_may_come_without_host(gw):
+    with connect(gw) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
+        head, _, body = read_all(sock).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 ") and json.loads(body) == {"status": "ok"}
 
 
 def test_past_max_connections_a_client_gets_a_json_503_with_retry_after(upstreams, gateways):
