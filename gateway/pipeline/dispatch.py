@@ -213,7 +213,7 @@ class Dispatcher:
         attempts = targets[: self.settings.limits.max_attempts]
         health = self.fleet.health
         last_error: GatewayError | None = None
-        kinds: set[type] = set()
+        kinds: set[type] = set()  # how the attempts failed
         for attempt, target in enumerate(attempts, 1):
             if attempt > 1:
                 if not health.try_retry(time.monotonic()):
@@ -236,6 +236,6 @@ class Dispatcher:
         if last_error is not None:
             message += f" (last error: {last_error.message})"
             retry_after = last_error.retry_after or retry_after
-            if len(kinds) == 1:  # every attempt failed the same way: say which (e.g. upstream_pool_timeout)
-                raise type(last_error)(message, code=last_error.code, retry_after=retry_after)
+            if kinds == {PoolTimeout}:  # no connection came free anywhere: this side's limit, say so
+                raise PoolTimeout(message, retry_after=retry_after)
         raise NoHealthyUpstream(message, retry_after=retry_after)

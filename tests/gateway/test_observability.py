@@ -229,7 +229,7 @@ def test_a_network_bound_target(upstreams, gateways):
     try:
         config = {
             "clusters": [{"name": "far", "models": ["fake-model"], "endpoints": [{"url": url, "warm_connections": 0, "pool_size": 64}]}],
-            "routing": {"health": {"probe_interval_s": 0.2}},
+            "routing": {"health": {"probe_path": "/health", "probe_interval_s": 0.2}},
         }
         gw = gateways(config)
         time.sleep(0.6)  # a few probes: their round trip is measured

@@ -90,7 +90,7 @@ async def test_a_request_whose_deadline_passes_while_waiting_is_dropped():
     holder = await queue.acquire(who, None)
     with pytest.raises(QueueDeadline) as caught:
         await queue.acquire(who, deadline=time.monotonic() + 0.05)
-    assert caught.value.status == 503 and caught.value.code == "deadline_exceeded"
+    assert caught.value.status == 504 and caught.value.code == "deadline_exceeded"
     assert queue.waiting == 0 and queue.active == 1
     holder.release()
     assert queue.active == 0

@@ -112,9 +112,9 @@ def test_error_event_after_first_byte(setup):
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_failover_before_first_byte(upstreams, gateways, protocol):
     # the broken endpoint answers its health probe faster, so the balancer tries it first
-    broken = upstreams(protocol, status=500)
+    broken = upstreams(protocol, status=503)  # it says it cannot serve (a 500 is its verdict on one request)
     healthy = upstreams(protocol, health_delay=0.2)
-    gw = gateways({"clusters": [cluster(broken, healthy)], "routing": {"balancer": {"affinity": False}}})
+    gw = gateways({"clusters": [cluster(broken, healthy)], "routing": {"balancer": {"affinity": False}, "health": {"probe_path": "/health"}}})
     time.sleep(0.3)
     response = httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "stream": True})
     assert response.status_code == 200
