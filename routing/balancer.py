@@ -16,6 +16,13 @@
   affinity when the fleet is nearly idle. A replica predicted more than
   ``affinity_max_ttft_ratio`` × the fastest one's TTFT is passed over too (a degraded
   replica would otherwise keep its conversations and queue them).
+- With a prompt's prefix blocks (``routing.prefix``): the replica probably caching the
+  longest prefix of the prompt goes first, under the same load bound and latency check
+  (ties: the cheaper one); a prompt nobody caches goes by cost (power of two choices), so
+  a new system prompt lands on a lightly loaded replica, and a hot one spreads to a second
+  replica when its first is at the bound.
+- Load, where the policy passes it, is the servers' own running + waiting count merged
+  with this gateway's in-flight count (``ServerLoad.merged_load``), else the in-flight count.
 
 Pure functions of their arguments: the caller passes the ``HealthState``, ``now`` and
 the random source.
@@ -136,31 +143,57 @@ def pick_available(
     affinity_key: bytes | None,
     rng: random.Random,
     costs: dict[str, float] | None = None,
+    loads: dict[str, float] | None = None,
+    matches: dict[str, int] | None = None,
+    min_match: int = 1,
 ) -> Pick | None:
     """``pick`` over records already known to be available (the policy's fast path).
-    ``costs``: ``endpoint_cost`` per endpoint if the caller has them already."""
+    ``costs``: ``endpoint_cost`` per endpoint if the caller has them already; ``loads``:
+    requests on each endpoint (default: this gateway's in-flight count; the policy merges
+    in the servers' own figures); ``matches``: prefix blocks each endpoint probably caches
+    of this prompt (``HealthState.prefix_match``), used from ``min_match`` blocks on."""
     if not records:
         return None
     if costs is None:
         penalty = config.error_penalty
         costs = {h.endpoint: endpoint_cost(h, prior_s, penalty) for h in records}
-    if affinity_key is not None and config.affinity and len(records) > 1:
-        total = 0
-        predicted = {}
+    if loads is None:
+        loads = {h.endpoint: h.inflight for h in records}
+    n = len(records)
+    if n > 1 and matches and max(matches.values()) >= min_match:
+        # the replica holding the longest cached prefix of the prompt, within the bounded
+        # load and not much slower than the fastest: the prefill it saves is the point
+        cap = math.ceil((1.0 + config.affinity_load_factor) * (sum(loads.values()) + 1) / n)
+        cap += config.affinity_load_slack
+        predicted = {h.endpoint: predicted_ttft_s(h, prior_s) for h in records}
+        slow = min(predicted.values()) * config.affinity_max_ttft_ratio
+        longest = max(matches.values())
+        best = None
         for h in records:
-            total += h.inflight
-            predicted[h.endpoint] = predicted_ttft_s(h, prior_s)
-        cap = math.ceil((1.0 + config.affinity_load_factor) * (total + 1) / len(records))
+            ep = h.endpoint
+            m = matches.get(ep, 0)
+            if m < min_match or loads[ep] + 1 > cap or predicted[ep] > slow:
+                continue
+            if best is None or (m, -costs[ep]) > (matches[best], -costs[best]):
+                best = ep
+        if best is not None:
+            others = tuple(sorted((e for e in costs if e != best), key=costs.__getitem__))
+            hit = matches[best] == longest
+            return Pick(best, others, "prefix" if hit else "prefix-partial", 0 if hit else 1)
+        # every holder of the prefix is too loaded or too slow: p2c below spreads it
+    if affinity_key is not None and config.affinity and n > 1:
+        predicted = {h.endpoint: predicted_ttft_s(h, prior_s) for h in records}
+        cap = math.ceil((1.0 + config.affinity_load_factor) * (sum(loads.values()) + 1) / n)
         cap += config.affinity_load_slack
         slow = min(predicted.values()) * config.affinity_max_ttft_ratio
         ranked = sorted(records, key=lambda h: _weight(affinity_key, h.endpoint), reverse=True)
         for rank, h in enumerate(ranked):
-            if h.inflight + 1 <= cap and predicted[h.endpoint] <= slow:
+            if loads[h.endpoint] + 1 <= cap and predicted[h.endpoint] <= slow:
                 ep = h.endpoint
                 others = tuple(sorted((e for e in costs if e != ep), key=costs.__getitem__))
                 return Pick(ep, others, "hit" if rank == 0 else "overflow", rank)
         # no replica is both under the load bound and fast enough: plain p2c below
-    if len(records) == 1:
+    if n == 1:
         chosen = records[0].endpoint
     else:
         a, b = rng.sample(records, 2)
@@ -168,6 +201,6 @@ def pick_available(
     others = tuple(sorted((e for e in costs if e != chosen), key=costs.__getitem__))
     if affinity_key is None or not config.affinity:
         return Pick(chosen, others)
-    if len(records) == 1:
+    if n == 1:
         return Pick(chosen, others, "hit")
-    return Pick(chosen, others, "overflow", len(records))
+    return Pick(chosen, others, "overflow", n)

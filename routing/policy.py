@@ -85,6 +85,16 @@ def _central_targets(
     pol = cfg.policy
     dist = _distances(table, request, home)
     penalty = cfg.balancer.error_penalty
+    lcfg = cfg.load
+    stale_s = lcfg.stale_after_s
+    knee = lcfg.kv_knee
+    kv_slope = lcfg.kv_penalty / (1.0 - knee)
+    blocks = request.prefix_blocks if lcfg.prefix else ()
+    nblocks = len(blocks)
+    min_match = lcfg.prefix_min_blocks
+    weight = lcfg.prefix_weight / nblocks if nblocks else 0.0
+    loads: dict[str, float] = {}
+    matches: dict[str, int] = {}
     scored: list[tuple[float, Cluster, float, list[EndpointHealth], dict[str, float], EndpointHealth]] = []
     ejected: list[str] = []
     available = health.available_records
@@ -108,12 +118,30 @@ def _central_targets(
         best = math.inf
         best_h = avail[0]
         for h in avail:
-            # endpoint_cost(h, prior_s, penalty), inlined (the per-request hot loop)
+            # endpoint_cost(h, prior_s, penalty), inlined (the per-request hot loop), with
+            # the server's own load merged in while its reading is fresh, its KV use, and
+            # the prefill its prefix cache probably saves
             t = h.ttft_s
             if t is None:
                 t = prior_s if h.rtt_s is None else h.rtt_s + prior_s
             n = len(h.outcomes)
-            c = costs[h.endpoint] = t * (h.inflight + 1) * (1.0 + penalty * (h.window_failures / n if n else 0.0))
+            ld = h.load
+            ep = h.endpoint
+            if ld is not None and now - ld.at <= stale_s:
+                q = ld.merged_load(h.inflight)
+                kv = ld.kv_usage
+            else:
+                q = h.inflight
+                kv = None
+            loads[ep] = q
+            c = t * (q + 1) * (1.0 + penalty * (h.window_failures / n if n else 0.0))
+            if kv is not None and kv > knee:
+                c *= 1.0 + kv_slope * (kv - knee)
+            if nblocks and h.prefix is not None:
+                m = matches[ep] = h.prefix.match(blocks)
+                if m >= min_match:
+                    c *= 1.0 - weight * m
+            costs[ep] = c
             if c < best:
                 best, best_h = c, h
         scored.append((best, cluster, prior_s, avail, costs, best_h))
@@ -141,10 +169,17 @@ def _central_targets(
         affinity_key=request.affinity_key,
         rng=rng if rng is not None else SHARED_RNG,
         costs=costs,
+        loads=loads,
+        matches={h.endpoint: matches.get(h.endpoint, 0) for h in avail} if matches else None,
+        min_match=min_match,
     )
     assert chosen is not None  # the cluster has an available endpoint
     affinity = None
-    if chosen.affinity is not None:
+    if chosen.affinity in ("prefix", "prefix-partial"):
+        affinity = chosen.affinity
+        m = matches.get(chosen.endpoint, 0)
+        reasons.append(f"cached prefix {m}/{nblocks} blocks -> {chosen.endpoint}")
+    elif chosen.affinity is not None:
         src = request.affinity_source or "key"
         if chosen.affinity == "hit":
             affinity = src
@@ -384,6 +419,7 @@ def _decide(
         hedge_target=hedge_target,
         cascade_threshold=cascade,
         affinity=affinity,
+        prefix_blocks=request.prefix_blocks,
     )
 
 

@@ -143,6 +143,9 @@ class RouteRequest:
     client_ip: str | None = None
     location: Location | None = None
     cache_hit: bool = False
+    # chained hashes of the prompt's blocks (``routing.prefix.prompt_blocks``): which
+    # replica probably caches the longest part of it
+    prefix_blocks: tuple[int, ...] = ()
 
 
 _UNSAFE = re.compile(r"[^\x20-\x7e]")
@@ -183,6 +186,9 @@ class RouteDecision:
     cascade_threshold: float | None = None
     affinity: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # the request's prefix blocks: the gateway records them against the endpoint it sends
+    # the request to (``HealthState.record_routed``)
+    prefix_blocks: tuple[int, ...] = ()
 
     def header_value(self, max_len: int = 512) -> str:
         """One ASCII line for the ``x-edgegw-route`` response header."""
