@@ -33,6 +33,8 @@ from gateway.queueing import TargetQueue
 from gateway.replies import Reply, UpstreamReply
 from gateway.settings import ClusterSettings, Settings
 from gateway.upstream import Upstream
+from gateway.upstream.load import LoadPoller
+from routing.signals import detect_source
 from routing import ClusterSpec, EdgeStats, GeoLocator, HealthState, RoutingTable, Target, TargetKind
 
 __all__ = ["Cluster", "Fleet", "HealthFeed"]
@@ -53,6 +55,7 @@ class Cluster:
         self.upstreams = upstreams
         self.models: tuple[str, ...] = tuple(settings.models)
         self.discovers = not settings.models
+        self.detected: dict[str, str | None] = {}  # endpoint URL -> load source its owned_by names
 
     def spec(self) -> ClusterSpec:
         return ClusterSpec(self.name, self.models, tuple(u.url for u in self.upstreams))
@@ -73,7 +76,9 @@ class Cluster:
                 logger.warning("model discovery: GET %s answered %d; is the URL the server's base URL?", url, response.status_code)
                 continue
             try:
-                data = orjson.loads(response.content).get("data", [])
+                payload = orjson.loads(response.content)
+                self.detected[upstream.url] = detect_source(payload)
+                data = payload.get("data", [])
                 found.update(m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str))
             except (orjson.JSONDecodeError, AttributeError, TypeError):
                 logger.warning("model discovery: GET %s did not answer an OpenAI model list", url)
@@ -133,6 +138,7 @@ class Fleet:
         self.feed: HealthFeed | None = None
         self.queues: dict[str, TargetQueue] = {}  # endpoint URL or "edge" -> its queue
         self.tracing = None  # gateway.tracing.Tracing when traces are on
+        self.load: LoadPoller | None = None  # polls the servers' own load metrics
         self._tasks: set[asyncio.Task] = set()
 
     # -- lifecycle -------------------------------------------------------------------
@@ -177,6 +183,11 @@ class Fleet:
         self.geo = await asyncio.to_thread(_open_geo, self.routing)
         self.health = HealthState.from_config(self.routing, list(self.upstreams))
         self.feed = HealthFeed(self.health, self.metrics)
+        self.load = LoadPoller(self.health, self.routing.load)
+        for cluster_settings in settings.clusters:
+            for endpoint in cluster_settings.endpoints:
+                upstream = self.upstreams[endpoint.url]
+                self.load.add(endpoint.url, upstream.client, endpoint.load_source, endpoint.metrics_path)
         self._build_table()
         first = [self._spawn(upstream.pool.warm()) for upstream in self.upstreams.values()]
         for cluster in self.clusters:
@@ -190,6 +201,7 @@ class Fleet:
             await asyncio.wait(first, timeout=settings.limits.startup_wait_s)
         if self.upstreams:
             self._spawn(self._probe_loop())
+            self._spawn(self.load.run())
 
     async def aclose(self) -> None:
         for task in list(self._tasks):
@@ -218,6 +230,8 @@ class Fleet:
         while True:
             if await cluster.discover(settings.discovery_timeout_s):
                 self._build_table()
+            for url, source in cluster.detected.items():
+                self.load.detected(url, source)
             discovered.set()
             await asyncio.sleep(settings.discovery_interval_s if cluster.models else min(1.0, settings.discovery_interval_s))
 

@@ -150,6 +150,10 @@ class EndpointSettings(_Model):
     fallback: Literal["http2"] | None = None  # http3 only: use HTTP/2 over TLS when QUIC cannot be established (UDP blocked)
     fallback_after_s: float = Field(1.0, gt=0)  # http3 with a fallback: how long a QUIC handshake may take before falling back
     early_data: bool = False  # http3: send requests as 0-RTT early data on resumed connections (replayable: opt in)
+    # where the server's own load is read (routing.load): auto = from the owned_by of the model list discovery
+    # fetches (vllm, sglang, llamacpp; anything else is not polled), none = never polled
+    load_source: Literal["auto", "vllm", "sglang", "llamacpp", "none"] = "auto"
+    metrics_path: str = "/metrics"  # the server's Prometheus text, on its origin
 
     @field_validator("url")
     @classmethod
