@@ -179,7 +179,7 @@ def pick_available(
         if best is not None:
             others = tuple(sorted((e for e in costs if e != best), key=costs.__getitem__))
             hit = matches[best] == longest
-            return Pick(best, others, "prefix" if hit else "prefix-partial", 0 if hit else 1)
+            return Pick(best, others, "prefix-cache" if hit else "prefix-cache-partial", 0 if hit else 1)
         # every holder of the prefix is too loaded or too slow: p2c below spreads it
     if affinity_key is not None and config.affinity and n > 1:
         predicted = {h.endpoint: predicted_ttft_s(h, prior_s) for h in records}

@@ -175,7 +175,7 @@ def _central_targets(
     )
     assert chosen is not None  # the cluster has an available endpoint
     affinity = None
-    if chosen.affinity in ("prefix", "prefix-partial"):
+    if chosen.affinity in ("prefix-cache", "prefix-cache-partial"):
         affinity = chosen.affinity
         m = matches.get(chosen.endpoint, 0)
         reasons.append(f"cached prefix {m}/{nblocks} blocks -> {chosen.endpoint}")
