@@ -16,11 +16,13 @@
   affinity when the fleet is nearly idle. A replica predicted more than
   ``affinity_max_ttft_ratio`` × the fastest one's TTFT is passed over too (a degraded
   replica would otherwise keep its conversations and queue them).
-- With a prompt's prefix blocks (``routing.prefix``): the replica probably caching the
-  longest prefix of the prompt goes first, under the same load bound and latency check
-  (ties: the cheaper one); a prompt nobody caches goes by cost (power of two choices), so
-  a new system prompt lands on a lightly loaded replica, and a hot one spreads to a second
-  replica when its first is at the bound.
+- With a prompt's prefix blocks (``routing.prefix``), instead of the above: each replica
+  scores the share of the prompt it would have to prefill (what its prefix index says it
+  caches) plus ``load_weight`` per request on it plus a KV-use term, replicas past a
+  looser load bound left out; the lowest score wins (ties: the cheaper). A prompt nobody
+  caches goes to the least loaded replica (join the shortest queue, with the servers'
+  own counts); a hot system prompt stays on its replica until that one carries
+  ``1 / load_weight`` requests more than another, then spreads.
 - Load, where the policy passes it, is the servers' own running + waiting count merged
   with this gateway's in-flight count (``ServerLoad.merged_load``), else the in-flight count.
 
@@ -146,12 +148,18 @@ def pick_available(
     loads: dict[str, float] | None = None,
     matches: dict[str, int] | None = None,
     min_match: int = 1,
+    nblocks: int = 0,
+    kv: dict[str, float] | None = None,
+    load_weight: float = 0.1,
+    prefix_load_factor: float = 2.0,
+    prefix_load_slack: int = 4,
 ) -> Pick | None:
     """``pick`` over records already known to be available (the policy's fast path).
     ``costs``: ``endpoint_cost`` per endpoint if the caller has them already; ``loads``:
     requests on each endpoint (default: this gateway's in-flight count; the policy merges
     in the servers' own figures); ``matches``: prefix blocks each endpoint probably caches
-    of this prompt (``HealthState.prefix_match``), used from ``min_match`` blocks on."""
+    of this prompt of ``nblocks`` blocks (``HealthState.prefix_match``), counted from
+    ``min_match`` blocks on; ``kv``: a score penalty per endpoint for its KV use."""
     if not records:
         return None
     if costs is None:
@@ -160,27 +168,36 @@ def pick_available(
     if loads is None:
         loads = {h.endpoint: h.inflight for h in records}
     n = len(records)
-    if n > 1 and matches and max(matches.values()) >= min_match:
-        # the replica holding the longest cached prefix of the prompt, within the bounded
-        # load and not much slower than the fastest: the prefill it saves is the point
-        cap = math.ceil((1.0 + config.affinity_load_factor) * (sum(loads.values()) + 1) / n)
-        cap += config.affinity_load_slack
-        predicted = {h.endpoint: predicted_ttft_s(h, prior_s) for h in records}
-        slow = min(predicted.values()) * config.affinity_max_ttft_ratio
-        longest = max(matches.values())
+    if n > 1 and nblocks:
+        # the prompt's cached prefix against the load: each replica scores the share of the
+        # prompt it would prefill (0 when it caches all of it) plus ``load_weight`` per
+        # request on it and a KV term past the knee; replicas past the load bound
+        # (``prefix_load_factor`` × mean + ``prefix_load_slack``) are left out. A prompt
+        # nobody caches goes to the least loaded; a hot one stays put until its replica
+        # carries 1 / load_weight requests more than another.
+        mean = (sum(loads.values()) + 1) / n
+        cap = math.ceil(prefix_load_factor * mean) + prefix_load_slack
         best = None
+        best_score = math.inf
         for h in records:
             ep = h.endpoint
-            m = matches.get(ep, 0)
-            if m < min_match or loads[ep] + 1 > cap or predicted[ep] > slow:
+            q = loads[ep]
+            if q + 1 > cap:
                 continue
-            if best is None or (m, -costs[ep]) > (matches[best], -costs[best]):
-                best = ep
+            m = matches.get(ep, 0) if matches else 0
+            score = (1.0 - m / nblocks if m >= min_match else 1.0) + load_weight * q
+            if kv is not None:
+                score += kv.get(ep, 0.0)
+            if score < best_score or (score == best_score and costs[ep] < costs[best]):
+                best, best_score = ep, score
         if best is not None:
             others = tuple(sorted((e for e in costs if e != best), key=costs.__getitem__))
-            hit = matches[best] == longest
-            return Pick(best, others, "prefix-cache" if hit else "prefix-cache-partial", 0 if hit else 1)
-        # every holder of the prefix is too loaded or too slow: p2c below spreads it
+            m = matches.get(best, 0) if matches else 0
+            if m < min_match:
+                return Pick(best, others, "prefix-none", 0)
+            longest = max(matches.values())
+            return Pick(best, others, "prefix-cache" if m == longest else "prefix-cache-partial", 0 if m == longest else 1)
+        # every replica is past the bound: p2c below
     if affinity_key is not None and config.affinity and n > 1:
         predicted = {h.endpoint: predicted_ttft_s(h, prior_s) for h in records}
         cap = math.ceil((1.0 + config.affinity_load_factor) * (sum(loads.values()) + 1) / n)

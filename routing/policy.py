@@ -95,6 +95,7 @@ def _central_targets(
     weight = lcfg.prefix_weight / nblocks if nblocks else 0.0
     loads: dict[str, float] = {}
     matches: dict[str, int] = {}
+    kvs: dict[str, float] = {}
     scored: list[tuple[float, Cluster, float, list[EndpointHealth], dict[str, float], EndpointHealth]] = []
     ejected: list[str] = []
     available = health.available_records
@@ -137,6 +138,7 @@ def _central_targets(
             c = t * (q + 1) * (1.0 + penalty * (h.window_failures / n if n else 0.0))
             if kv is not None and kv > knee:
                 c *= 1.0 + kv_slope * (kv - knee)
+                kvs[ep] = (kv - knee) / (1.0 - knee)
             if nblocks and h.prefix is not None:
                 m = matches[ep] = h.prefix.match(blocks)
                 if m >= min_match:
@@ -170,12 +172,19 @@ def _central_targets(
         rng=rng if rng is not None else SHARED_RNG,
         costs=costs,
         loads=loads,
-        matches={h.endpoint: matches.get(h.endpoint, 0) for h in avail} if matches else None,
+        matches=matches,
         min_match=min_match,
+        nblocks=nblocks,
+        kv=kvs,
+        load_weight=lcfg.prefix_load_weight,
+        prefix_load_factor=lcfg.prefix_load_factor,
+        prefix_load_slack=lcfg.prefix_load_slack,
     )
     assert chosen is not None  # the cluster has an available endpoint
     affinity = None
-    if chosen.affinity in ("prefix-cache", "prefix-cache-partial"):
+    if chosen.affinity == "prefix-none":
+        pass  # nobody caches it: the least loaded took it
+    elif chosen.affinity in ("prefix-cache", "prefix-cache-partial"):
         affinity = chosen.affinity
         m = matches.get(chosen.endpoint, 0)
         reasons.append(f"cached prefix {m}/{nblocks} blocks -> {chosen.endpoint}")
