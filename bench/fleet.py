@@ -570,7 +570,7 @@ def make_trace(workload: str, rate: float, seconds: float, seed: int, burstiness
     return Trace(workload, due, bodies, tokens, statistics.fmean(tokens) if tokens else 0.0, shared)
 
 
-def nominal_capacity(step: dict, scale: float, mean_prompt: float, shared: float, batch: float = 8.0) -> float:
+def nominal_capacity(step: dict, scale: float, mean_prompt: float, shared: float, batch: float = 4.0) -> float:
     """Requests/s one replica serves when busy all the time, with the shared part of each
     prompt cached (what a cache-aware router can reach): each request costs its uncached
     prefill, and its output tokens at one decode slot of a step of ``batch`` sequences."""
@@ -706,22 +706,25 @@ async def reset_fleet(fleet: Fleet) -> None:
         get_json(p, "/bench/reset")
 
 
-ROUTERS = ("edgegw", "round_robin", "random", "sglang", "vllm", "vllm-rr")
+EDGEGW_LOAD: dict = {}  # --edgegw-load: routing.load keys for the edgegw under test
+ROUTERS = ("edgegw", "edgegw-base", "round_robin", "random", "sglang", "vllm", "vllm-rr")
 # region coordinates for edgegw's table: 66 km per ms of round trip (its km_per_rtt_ms)
 COORDS = [(37.77, -122.42), (40.71, -74.01), (51.51, -0.13)]
 
 
-def edgegw_config(port: int, fleet: Fleet, rtts: dict[str, float]) -> dict:
+def edgegw_config(port: int, fleet: Fleet, signals: bool = True) -> dict:
+    """``signals``: the servers' load and the prefix index (False: edgegw as it routed
+    before them, its own measurements only: the baseline in the same run)."""
     regions = list(dict.fromkeys(fleet.regions))
     clusters = []
+    source = "vllm" if signals else "none"
     for region in regions:
-        eps = [{"url": f"http://127.0.0.1:{p}/v1", "load_source": "vllm", "pool_size": 256, "warm_connections": 4}
+        eps = [{"url": f"http://127.0.0.1:{p}/v1", "load_source": source, "pool_size": 256, "warm_connections": 4}
                for p, r in zip(fleet.via, fleet.regions) if r == region]
         clusters.append({"name": f"c-{region}", "models": [MODEL], "endpoints": eps})
     routing = {
         "hedging": {"enabled": False},
-        "load": {"poll_interval_s": 0.25, "stale_after_s": 1.5},
-        "health": {"probe_interval_s": 2.0},
+        "load": {"prefix": signals, **(EDGEGW_LOAD if signals else {})},
     }
     if len(regions) > 1:
         routing["regions"] = [
@@ -742,16 +745,12 @@ def start_router(kind: str, fleet: Fleet, tmp: str, rtts: dict[str, float], work
 
     port = free_port()
     urls = [f"http://127.0.0.1:{p}" for p in workers]
-    if kind == "edgegw":
-        config = edgegw_config(port, fleet, rtts)
-        path = os.path.join(tmp, "edgegw.yaml")
-        try:
-            config_yaml = yaml.safe_dump(config)
-        except yaml.YAMLError:
-            raise
+    if kind in ("edgegw", "edgegw-base"):
+        config = edgegw_config(port, fleet, signals=kind == "edgegw")
+        path = os.path.join(tmp, f"{kind}.yaml")
         with open(path, "w") as fh:
-            fh.write(config_yaml)
-        proc = Proc("edgegw", [PY, "-m", "gateway", "serve", "--config", path], tmp)
+            yaml.safe_dump(config, fh)
+        proc = Proc(kind, [PY, "-m", "gateway", "serve", "--config", path], tmp)
         proc.wait_http(port, "/readyz")
         return proc, port
     if kind in ("round_robin", "random", "sglang"):
@@ -879,7 +878,7 @@ async def run_scenario(sc: Scenario, routers: list[str], reps: int, seconds: flo
             order = routers[rep % len(routers):] + routers[: rep % len(routers)]  # rotate: no router always first
             for kind in order:
                 # region-unaware peers are deployed per region: they know the home region's replicas
-                workers = [fleet.via[i] for i in home_idx] if kind != "edgegw" else []
+                workers = [fleet.via[i] for i in home_idx] if not kind.startswith("edgegw") else []
                 await reset_fleet(fleet)
                 proc, port = start_router(kind, fleet, tmp, {}, workers)
                 try:
@@ -998,6 +997,7 @@ def main() -> int:
     ap.add_argument("--kv-blocks", type=int, default=2048, help="KV blocks of 16 tokens per replica")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", help="write the raw results here")
+    ap.add_argument("--edgegw-load", default="{}", help="JSON: routing.load settings of the edgegw under test")
     args = ap.parse_args()
     if args.serve:
         asyncio.run(serve(args.serve))
@@ -1011,6 +1011,7 @@ def main() -> int:
         print(json.dumps(fitted, indent=1))
         return 0
     step = load_step_model()
+    EDGEGW_LOAD.update(json.loads(args.edgegw_load))
     routers = args.routers.split(",")
     names = args.scenarios.split(",")
     reps, seconds = args.reps, args.seconds

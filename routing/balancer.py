@@ -150,7 +150,7 @@ def pick_available(
     min_match: int = 1,
     nblocks: int = 0,
     kv: dict[str, float] | None = None,
-    load_weight: float = 0.1,
+    load_weight: float = 0.03,
     prefix_load_factor: float = 2.0,
     prefix_load_slack: int = 4,
 ) -> Pick | None:
