@@ -33,7 +33,7 @@ from gateway.queueing import TargetQueue
 from gateway.replies import Reply, UpstreamReply
 from gateway.settings import ClusterSettings, Settings
 from gateway.upstream import Upstream
-from gateway.upstream.load import LoadPoller
+from gateway.upstream.load import LoadPoller, pool_fetch
 from routing.signals import detect_source
 from routing import ClusterSpec, EdgeStats, GeoLocator, HealthState, RoutingTable, Target, TargetKind
 
@@ -187,7 +187,9 @@ class Fleet:
         for cluster_settings in settings.clusters:
             for endpoint in cluster_settings.endpoints:
                 upstream = self.upstreams[endpoint.url]
-                self.load.add(endpoint.url, upstream.client, endpoint.load_source, endpoint.metrics_path)
+                auth = [h for h in upstream.headers if h[0] == b"authorization"]
+                fetch = pool_fetch(upstream.control, auth, self.routing.load.poll_timeout_s)
+                self.load.add(endpoint.url, fetch, endpoint.load_source, endpoint.metrics_path)
         self._build_table()
         first = [self._spawn(upstream.pool.warm()) for upstream in self.upstreams.values()]
         for cluster in self.clusters:

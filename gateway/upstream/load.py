@@ -2,9 +2,10 @@
 
 Each endpoint whose ``load_source`` is known (``vllm``, ``sglang``, ``llamacpp``, set in
 its settings or detected from the ``owned_by`` of the model list that discovery fetches
-anyway) is polled every ``routing.load.poll_interval_s`` through the endpoint's small
-control client (the two connections that probes and discovery use, so a pool full of
-streams never delays a poll, and a poll never takes a stream's connection). The text is
+anyway) is polled every ``routing.load.poll_interval_s`` through the endpoint's control
+pool (the two connections that probes and discovery use, so a pool full of streams never
+delays a poll, and a poll never takes a stream's connection), with the gateway's own
+HTTP client on it (``pool_fetch``), not httpx's. The text is
 read by ``routing.signals.read_load`` and handed to ``HealthState.record_load``; a poll
 that fails or times out records nothing, and the last reading ages out of routing after
 ``routing.load.stale_after_s`` by itself.
@@ -23,24 +24,54 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import httpx
 
+from gateway.upstream.base import Pool
 from routing import HealthState
 from routing.config import LoadConfig
 from routing.signals import LOAD_SOURCES, MetricsError, ServerLoad, read_load
 
-__all__ = ["LoadPoller", "PolledEndpoint"]
+__all__ = ["Fetch", "LoadPoller", "PolledEndpoint", "httpx_fetch", "pool_fetch"]
 
 logger = logging.getLogger("edgegw.load")
+
+# GET a path on the server's origin -> (status, body); raises on a transport failure
+Fetch = Callable[[str], Awaitable[tuple[int, bytes]]]
+
+MAX_METRICS_BYTES = 8 << 20  # a server's whole registry, histograms included, fits many times over
+
+
+def pool_fetch(pool: Pool, headers: list[tuple[bytes, bytes]], timeout: float) -> Fetch:
+    """GET through one of the gateway's own pools (the endpoint's control pool): a few
+    tens of microseconds of CPU, where httpx's client costs about a millisecond."""
+
+    async def fetch(path: str) -> tuple[int, bytes]:
+        response = await pool.request(b"GET", path.encode(), headers, b"", timeout)
+        try:
+            return response.status, await response.body.read_all(timeout, MAX_METRICS_BYTES)
+        finally:
+            await response.aclose()
+
+    return fetch
+
+
+def httpx_fetch(client: httpx.AsyncClient) -> Fetch:
+    """GET with an httpx client whose ``base_url`` is the server's origin."""
+
+    async def fetch(path: str) -> tuple[int, bytes]:
+        response = await client.get(path)
+        return response.status_code, response.content
+
+    return fetch
 
 
 @dataclass(slots=True)
 class PolledEndpoint:
     url: str  # the endpoint's id in HealthState
-    client: httpx.AsyncClient  # base_url: the server's origin
+    fetch: Fetch  # GET on the server's origin
     source: str | None  # vllm | sglang | llamacpp; None: not polled (none, or not detected yet)
     path: str = "/metrics"
     auto: bool = False  # the source comes from discovery's owned_by
@@ -60,13 +91,16 @@ class LoadPoller:
         self.endpoints: dict[str, PolledEndpoint] = {}
         self._changed = asyncio.Event()
 
-    def add(self, url: str, client: httpx.AsyncClient, source: str, path: str = "/metrics") -> None:
+    def add(self, url: str, fetch: Fetch | httpx.AsyncClient, source: str, path: str = "/metrics") -> None:
         """An endpoint with ``source`` from its settings: ``auto`` (from discovery),
-        ``none`` (never polled) or a server kind."""
+        ``none`` (never polled) or a server kind; ``fetch``: how to GET on its origin
+        (``pool_fetch`` of its control pool, or an httpx client)."""
+        if isinstance(fetch, httpx.AsyncClient):
+            fetch = httpx_fetch(fetch)
         if source not in LOAD_SOURCES and source != "auto":
             raise ValueError(f"load_source must be auto or one of {', '.join(LOAD_SOURCES)}, not {source!r}")
         polled = None if source in ("auto", "none") else source
-        self.endpoints[url] = PolledEndpoint(url, client, polled, path, auto=source == "auto")
+        self.endpoints[url] = PolledEndpoint(url, fetch, polled, path, auto=source == "auto")
         self._changed.set()
 
     def detected(self, url: str, source: str | None) -> None:
@@ -89,10 +123,10 @@ class LoadPoller:
         h = self.health.endpoint(e.url)
         inflight = h.inflight  # before the request: the server's counts are from about now
         try:
-            response = await asyncio.wait_for(e.client.get(e.path), self.config.poll_timeout_s)
-            if response.status_code != 200:
-                raise MetricsError(f"GET {e.path} answered {response.status_code}")
-            load = read_load(source, response.text, self.clock(), inflight=inflight, previous=h.load)
+            status, body = await asyncio.wait_for(e.fetch(e.path), self.config.poll_timeout_s)
+            if status != 200:
+                raise MetricsError(f"GET {e.path} answered {status}")
+            load = read_load(source, body.decode(), self.clock(), inflight=inflight, previous=h.load)
         except (asyncio.TimeoutError, httpx.HTTPError, OSError, MetricsError, UnicodeDecodeError) as exc:
             if e.failures == 0:
                 why = "no answer in time" if isinstance(exc, asyncio.TimeoutError) else str(exc) or type(exc).__name__

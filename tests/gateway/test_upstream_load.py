@@ -18,7 +18,7 @@ from starlette.routing import Route
 
 from gateway.settings import EndpointSettings
 from gateway.upstream import Upstream
-from gateway.upstream.load import LoadPoller
+from gateway.upstream.load import LoadPoller, pool_fetch
 from routing import HealthState, LoadConfig, detect_source
 
 METRICS = Path(__file__).parent.parent / "routing" / "metrics"
@@ -85,12 +85,15 @@ async def test_through_the_endpoints_own_control_pool():
         upstream = Upstream(EndpointSettings(url=srv.url + "/v1", load_source="sglang"), "c", high_water=1 << 16)
         try:
             p, health = poller()
-            p.add(upstream.url, upstream.client, upstream.settings.load_source, upstream.settings.metrics_path)
+            fetch = pool_fetch(upstream.control, [], 2.0)  # as the fleet wires it
+            p.add(upstream.url, fetch, upstream.settings.load_source, upstream.settings.metrics_path)
             [load] = await p.poll_all()
+            [again] = await p.poll_all()  # the control connection is reused
         finally:
             await upstream.aclose()
         assert (load.running, load.waiting, load.prefix_hit_rate) == (12, 5, pytest.approx(0.62))
-        assert srv.paths == ["/metrics"]  # on the origin, not under the /v1 base
+        assert srv.paths == ["/metrics", "/metrics"]  # on the origin, not under the /v1 base
+        assert again.at >= load.at
 
 
 @pytest.mark.parametrize(
