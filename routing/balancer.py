@@ -18,7 +18,9 @@
   replica would otherwise keep its conversations and queue them).
 - With a prompt's prefix blocks (``routing.prefix``), instead of the above: each replica
   scores the share of the prompt it would have to prefill (what its prefix index says it
-  caches) plus ``load_weight`` per request on it plus a KV-use term, replicas past a
+  caches), plus the prefill work already sent to it and not answered (in prompts of this
+  size: what the new prompt would queue behind), plus ``load_weight`` per request on it
+  plus a KV-use term, replicas past a
   looser load bound left out; the lowest score wins (ties: the cheaper). A prompt nobody
   caches goes to the least loaded replica (join the shortest queue, with the servers'
   own counts); a hot system prompt stays on its replica until that one carries
@@ -150,6 +152,7 @@ def pick_available(
     min_match: int = 1,
     nblocks: int = 0,
     kv: dict[str, float] | None = None,
+    pending: dict[str, float] | None = None,
     load_weight: float = 0.03,
     prefix_load_factor: float = 2.0,
     prefix_load_slack: int = 4,
@@ -159,7 +162,8 @@ def pick_available(
     requests on each endpoint (default: this gateway's in-flight count; the policy merges
     in the servers' own figures); ``matches``: prefix blocks each endpoint probably caches
     of this prompt of ``nblocks`` blocks (``HealthState.prefix_match``), counted from
-    ``min_match`` blocks on; ``kv``: a score penalty per endpoint for its KV use."""
+    ``min_match`` blocks on; ``kv``: a score penalty per endpoint for its KV use;
+    ``pending``: prefill work sent to each and not answered yet, in prefix blocks."""
     if not records:
         return None
     if costs is None:
@@ -186,6 +190,8 @@ def pick_available(
                 continue
             m = matches.get(ep, 0) if matches else 0
             score = (1.0 - m / nblocks if m >= min_match else 1.0) + load_weight * q
+            if pending is not None:
+                score += pending.get(ep, 0.0) / nblocks  # prefill queued ahead, in prompts of this size
             if kv is not None:
                 score += kv.get(ep, 0.0)
             if score < best_score or (score == best_score and costs[ep] < costs[best]):

@@ -123,6 +123,8 @@ class EndpointHealth:
         "failures",
         "load",
         "prefix",
+        "pending",
+        "pending_tokens",
     )
 
     def __init__(self, endpoint: str) -> None:
@@ -142,6 +144,10 @@ class EndpointHealth:
         self.failures = 0
         self.load: ServerLoad | None = None  # the server's own last reading of its load
         self.prefix: PrefixIndex | None = None  # prompt prefixes probably in its cache
+        # prefill work sent and not yet answered (tokens its cache probably lacked), oldest
+        # first: the server prefills roughly in order, so each first token retires the oldest
+        self.pending: deque[float] = deque()
+        self.pending_tokens = 0.0
 
     def __repr__(self) -> str:
         return (
@@ -319,6 +325,8 @@ class HealthState:
     def record_first_token(self, endpoint: str, ttft_s: float, now: float) -> None:
         h = self.endpoint(endpoint)
         h.ttft_s = _ewma(h.ttft_s, ttft_s, self.alpha)
+        if h.pending:
+            h.pending_tokens = max(0.0, h.pending_tokens - h.pending.popleft())
 
     def record_end(
         self,
@@ -340,6 +348,8 @@ class HealthState:
         state = self._advance(h, now)
         if h.inflight > 0:
             h.inflight -= 1
+        while len(h.pending) > h.inflight:  # ended without a first token: its prefill is gone too
+            h.pending_tokens = max(0.0, h.pending_tokens - h.pending.popleft())
         self._trim(h, now)
         h.outcomes.append((now, ok))
         cfg = self.config
@@ -418,6 +428,10 @@ class HealthState:
             if h.load is not None and h.load.kv_capacity_tokens:
                 tokens = h.load.kv_capacity_tokens
             h.prefix = PrefixIndex(self._capacity_blocks(tokens))
+        uncached = (len(blocks) - h.prefix.match(blocks)) * self.block_tokens
+        if len(h.pending) < 4096:
+            h.pending.append(uncached)
+            h.pending_tokens += uncached
         h.prefix.insert(blocks)
 
     def prefix_match(self, endpoint: str, blocks: tuple[int, ...]) -> int:
@@ -512,6 +526,7 @@ class HealthState:
                 "failures": h.failures,
                 "server_load": None if h.load is None else h.load.to_dict(),
                 "prefix_blocks": 0 if h.prefix is None else len(h.prefix),
+                "pending_prefill_tokens": h.pending_tokens,
             }
         requests, retries = self.retry_budget.counts(now)
         return {"endpoints": out, "retry_budget": {"requests": requests, "retries": retries}}
