@@ -948,12 +948,15 @@ def calibrate(target_decode_ms: float) -> dict:
     engine = Engine(EngineConfig(max_num_seqs=16, max_num_batched_tokens=256, num_threads=2))
     rows = []  # (prefill tokens, decoding sequences, seconds)
 
+    loop = asyncio.new_event_loop()  # never run: the deltas wait unread (fewer than max_pending_outputs)
+
     def run_steps(prompts: list[list[int]], decode_steps: int) -> None:
-        seqs = [engine.add_request(p, SamplingParams(max_tokens=decode_steps + 2, temperature=0.0, ignore_eos=True)) for p in prompts]
+        params = SamplingParams(max_tokens=decode_steps + 2, temperature=0.0, ignore_eos=True)
+        seqs = [engine.add_request(p, params, loop=loop, queue=asyncio.Queue()) for p in prompts]
         while any(not s.is_finished for s in seqs):
-            decoding = sum(1 for s in engine.scheduler.running if s.num_cached_tokens >= s.num_prompt_tokens)
-            prefill = sum(max(0, s.num_prompt_tokens - s.num_cached_tokens) for s in engine.scheduler.waiting) + sum(
-                max(0, s.num_prompt_tokens - s.num_cached_tokens) for s in engine.scheduler.running)
+            sched = engine.scheduler
+            decoding = sum(1 for s in sched.running if s.num_computed_tokens >= s.num_prompt_tokens)
+            prefill = sum(max(0, s.num_prompt_tokens - s.num_computed_tokens) for s in [*sched.waiting, *sched.running])
             t = time.perf_counter()
             engine.step()
             rows.append((min(prefill, 256), decoding, time.perf_counter() - t))
@@ -974,7 +977,7 @@ def calibrate(target_decode_ms: float) -> dict:
         "measured": {"base_s": base, "prefill_s_per_token": per_tok, "decode_s_per_seq": per_seq, "steps": len(rows)},
         "scaled": {"base_s": base * k, "prefill_s_per_token": per_tok * k, "decode_s_per_seq": per_seq * k},
         "scale_factor": k,
-        "how": f"edge_engine {engine.config.dtype} on this CPU, least squares over {len(rows)} steps; "
+        "how": f"edge_engine ({engine.config.dtype}) on this CPU, least squares over {len(rows)} steps; "
                f"scaled so that a batch-1 decode step takes {target_decode_ms:g} ms",
     }
 

@@ -94,6 +94,7 @@ def _central_targets(
     min_match = lcfg.prefix_min_blocks
     weight = lcfg.prefix_weight / nblocks if nblocks else 0.0
     block_tokens = health.block_tokens
+    pw = lcfg.prefix_pending_weight
     loads: dict[str, float] = {}
     matches: dict[str, int] = {}
     kvs: dict[str, float] = {}
@@ -177,7 +178,7 @@ def _central_targets(
         min_match=min_match,
         nblocks=nblocks,
         kv=kvs,
-        pending={h.endpoint: h.pending_tokens / block_tokens for h in avail} if nblocks else None,
+        pending={h.endpoint: pw * h.pending_tokens / block_tokens for h in avail} if nblocks and pw else None,
         load_weight=lcfg.prefix_load_weight,
         prefix_load_factor=lcfg.prefix_load_factor,
         prefix_load_slack=lcfg.prefix_load_slack,

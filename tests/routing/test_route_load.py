@@ -164,3 +164,47 @@ def test_record_load_sizes_the_index_and_a_restart_clears_it():
     assert health.prefix_match("http://usw-1", blocks) == 0  # its counters restarted: so did its cache
     snap = health.snapshot(NOW + 1)["endpoints"]["http://usw-1"]
     assert snap["server_load"]["running"] == 0 and snap["prefix_blocks"] == 0
+
+
+def test_pending_prefill_is_retired_in_order_by_first_tokens_and_ends():
+    cfg, table, health = setup()
+    a = route(cfg, table, health, chat(SYSTEM, "x")).prefix_blocks
+    b = route(cfg, table, health, chat(SYSTEM_B, "y")).prefix_blocks
+    h = health.endpoint("http://usw-1")
+    for blocks in (a, b):
+        health.record_routed("http://usw-1", blocks, NOW)
+        health.record_start("http://usw-1", NOW)
+    assert h.pending_tokens == (len(a) + len(b)) * 64  # nothing was cached: all of both
+    health.record_routed("http://usw-1", a, NOW)  # the same prompt again: cached now
+    health.record_start("http://usw-1", NOW)
+    assert h.pending_tokens == (len(a) + len(b)) * 64 and len(h.pending) == 3
+    health.record_first_token("http://usw-1", 0.3, NOW + 1)  # the oldest is answered
+    assert h.pending_tokens == len(b) * 64
+    health.record_end("http://usw-1", False, 0, 1.0, NOW + 2)  # one failed before its first token
+    health.record_end("http://usw-1", True, 16, 1.0, NOW + 2)
+    assert len(h.pending) <= h.inflight == 1
+
+
+def test_a_new_prompt_goes_where_less_prefill_is_queued():
+    cfg, table, health = setup()
+    blocks = route(cfg, table, health, chat(SYSTEM, "x")).prefix_blocks
+    for ep in USW:  # all three cache the system prompt
+        health.record_routed(ep, blocks, NOW)
+        health.record_first_token(ep, 0.2, NOW)
+    for i in range(3):  # usw-1 and usw-2 were just sent long uncached prompts
+        for ep in ("http://usw-1", "http://usw-2"):
+            other = route(cfg, table, health, chat(SYSTEM_B + str(i), "q")).prefix_blocks
+            health.record_routed(ep, other, NOW)
+            health.record_start(ep, NOW)
+    health.record_start("http://usw-3", NOW)  # usw-3 is busier by count, not by prefill
+    health.record_start("http://usw-3", NOW)
+    health.record_start("http://usw-3", NOW)
+    health.record_start("http://usw-3", NOW)
+    d = route(cfg, table, health, chat(SYSTEM, "z"))
+    assert d.target.endpoint == "http://usw-3"
+    cfg2, table2, health2 = setup(load={"prefix_pending_weight": 0})
+    for ep in USW:
+        health2.record_routed(ep, blocks, NOW)
+    for _ in range(4):
+        health2.record_start("http://usw-3", NOW)
+    assert route(cfg2, table2, health2, chat(SYSTEM, "z")).target.endpoint != "http://usw-3"
