@@ -937,47 +937,62 @@ def report(all_results: list[dict], command: str, reps: int, seconds: float, sca
 
 
 def calibrate(target_decode_ms: float) -> dict:
-    """Time edge_engine's steps on this CPU (SmolLM2-135M, its default dtype): prefill
-    chunks of 64..256 tokens alone, and decode steps of 1..16 sequences; fit base +
-    per-token + per-sequence by least squares; scale so that a batch-1 decode step takes
-    ``target_decode_ms`` (a GPU-sized step: the shape is the engine's, the size is not)."""
+    """Time edge_engine on this CPU (SmolLM2-135M, its default dtype, 2 threads, chunked
+    prefill of 256 tokens a step) through its own API: TPOT of 1, 4, 8 and 16 concurrent
+    streams (a decode step of that batch) gives ``base + decode × batch`` by least squares;
+    the TTFT of single prompts of 128-1024 uncached tokens, less one base per chunk, gives
+    the prefill cost per token. Then everything is scaled so that a batch-1 decode step
+    takes ``target_decode_ms``: the shape is the engine's, the size a GPU server's."""
+    import numpy as np
+
     from edge_engine import EngineConfig
     from edge_engine.engine import Engine
     from edge_engine.sampling import SamplingParams
 
-    engine = Engine(EngineConfig(max_num_seqs=16, max_num_batched_tokens=256, num_threads=2))
-    rows = []  # (prefill tokens, decoding sequences, seconds)
+    async def stream(engine, prompt, new_tokens):
+        t0 = time.perf_counter()
+        first = None
+        n = 0
+        async for delta in engine.generate(prompt, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)):
+            n += len(delta.token_ids)
+            if first is None:
+                first = time.perf_counter()
+        end = time.perf_counter()
+        return first - t0, (end - first) / max(1, n - 1)
 
-    loop = asyncio.new_event_loop()  # never run: the deltas wait unread (fewer than max_pending_outputs)
+    async def measure():
+        engine = Engine(EngineConfig(max_num_seqs=16, max_num_batched_tokens=256, num_threads=2))
+        await engine.start()
+        rng = random.Random(0)
+        fresh = lambda n: [rng.randrange(100, 40000) for _ in range(n)]  # noqa: E731 - no cache hits
+        try:
+            await stream(engine, fresh(16), 4)  # warm-up
+            decode = []
+            for b in (1, 4, 8, 16):
+                runs = await asyncio.gather(*(stream(engine, fresh(8), 24) for _ in range(b)))
+                decode.append((b, statistics.median(t for _, t in runs)))
+            prefill = []
+            for n in (128, 256, 512, 1024):
+                ttft, _ = await stream(engine, fresh(n), 2)
+                prefill.append((n, ttft))
+            return engine.config.dtype, decode, prefill
+        finally:
+            await engine.close()
 
-    def run_steps(prompts: list[list[int]], decode_steps: int) -> None:
-        params = SamplingParams(max_tokens=decode_steps + 2, temperature=0.0, ignore_eos=True)
-        seqs = [engine.add_request(p, params, loop=loop, queue=asyncio.Queue()) for p in prompts]
-        while any(not s.is_finished for s in seqs):
-            sched = engine.scheduler
-            decoding = sum(1 for s in sched.running if s.num_computed_tokens >= s.num_prompt_tokens)
-            prefill = sum(max(0, s.num_prompt_tokens - s.num_computed_tokens) for s in [*sched.waiting, *sched.running])
-            t = time.perf_counter()
-            engine.step()
-            rows.append((min(prefill, 256), decoding, time.perf_counter() - t))
-
-    rng = random.Random(0)
-    for n in (64, 128, 256):
-        run_steps([[rng.randrange(100, 40000) for _ in range(n)]], 1)
-    for b in (1, 4, 8, 16):
-        run_steps([[rng.randrange(100, 40000) for _ in range(8)] for _ in range(b)], 12)
-    import numpy as np
-
-    x = np.array([[1.0, p, d] for p, d, _ in rows])
-    y = np.array([t for _, _, t in rows])
-    (base, per_tok, per_seq), *_ = np.linalg.lstsq(x, y, rcond=None)
-    base, per_tok, per_seq = max(base, 1e-4), max(per_tok, 0.0), max(per_seq, 0.0)
+    dtype, decode, prefill = asyncio.run(measure())
+    x = np.array([[1.0, b] for b, _ in decode])
+    y = np.array([t for _, t in decode])
+    (base, per_seq), *_ = np.linalg.lstsq(x, y, rcond=None)
+    base, per_seq = max(float(base), 1e-4), max(float(per_seq), 0.0)
+    per_tok = statistics.median(max(0.0, (t - math.ceil(n / 256) * base) / n) for n, t in prefill)
     k = target_decode_ms / 1e3 / (base + per_seq)
     return {
-        "measured": {"base_s": base, "prefill_s_per_token": per_tok, "decode_s_per_seq": per_seq, "steps": len(rows)},
+        "measured": {"base_s": base, "prefill_s_per_token": per_tok, "decode_s_per_seq": per_seq,
+                     "decode_step_by_batch": decode, "ttft_by_prompt_tokens": prefill, "dtype": dtype},
         "scaled": {"base_s": base * k, "prefill_s_per_token": per_tok * k, "decode_s_per_seq": per_seq * k},
         "scale_factor": k,
-        "how": f"edge_engine ({engine.config.dtype}) on this CPU, least squares over {len(rows)} steps; "
+        "how": f"edge_engine ({dtype}) on this CPU: TPOT at batch 1/4/8/16 fitted to base + per-sequence, "
+               f"TTFT of 128-1024-token prompts less a base per 256-token chunk per token; "
                f"scaled so that a batch-1 decode step takes {target_decode_ms:g} ms",
     }
 

@@ -18,6 +18,12 @@ Rules, in order:
    best cluster the balancer picks (power of two choices, affinity, bounded load).
    Clusters whose endpoints are all ejected are skipped; when every endpoint serving the
    model is ejected, all of them are scored anyway (``health.panic``, on by default).
+   The servers' own load (``HealthState.record_load``, while fresher than
+   ``load.stale_after_s``) replaces the in-flight count in the cost (merged: the server's
+   count less this gateway's share when it was read, plus its in-flight count now); KV
+   use past ``load.kv_knee`` multiplies it; the share of the prompt an endpoint's prefix
+   index holds discounts it (``load.prefix_weight``). With prefix blocks the balancer
+   picks by cached share, queued prefill and load (see ``balancer``).
 3. Explicit models go where they are served. An ``auto`` request stays at the edge
    when it is short and simple (prompt ≤ ``edge_max_prompt_tokens``, max_tokens ≤
    ``edge_max_output_tokens``, no tools or attachments) and the edge is healthy, not
