@@ -745,9 +745,14 @@ def start_router(kind: str, fleet: Fleet, tmp: str, rtts: dict[str, float], work
 
     port = free_port()
     urls = [f"http://127.0.0.1:{p}" for p in workers]
-    if kind in ("edgegw", "edgegw-base"):
-        config = edgegw_config(port, fleet, signals=kind == "edgegw")
-        path = os.path.join(tmp, f"{kind}.yaml")
+    if kind.startswith("edgegw"):
+        # edgegw+key=value+...: the edgegw under test with routing.load keys changed
+        name, *changes = kind.split("+")
+        config = edgegw_config(port, fleet, signals=name == "edgegw")
+        for change in changes:
+            key, _, value = change.partition("=")
+            config["routing"]["load"][key] = json.loads(value)
+        path = os.path.join(tmp, f"{name}-{len(changes)}.yaml")
         with open(path, "w") as fh:
             yaml.safe_dump(config, fh)
         proc = Proc(kind, [PY, "-m", "gateway", "serve", "--config", path], tmp)

@@ -110,7 +110,7 @@ class LoadConfig(_Model):
     prefix_min_blocks: int = Field(default=2, ge=1)  # a shorter cached prefix is no reason to go there
     prefix_weight: float = Field(default=0.5, ge=0, le=1)  # cluster cost discount for a fully cached prompt
     prefix_load_weight: float = Field(default=0.03, ge=0)  # a fully cached prompt is worth 1/this requests of load
-    prefix_pending_weight: float = Field(default=1.0, ge=0)  # weight of prefill already queued on a replica
+    prefix_pending_weight: float = Field(default=0.3, ge=0)  # weight of prefill already queued on a replica
     prefix_load_factor: float = Field(default=2.0, ge=1)  # replicas above this × mean load are passed over
     prefix_load_slack: int = Field(default=4, ge=0)  # in-flight allowed above that bound
     prefix_capacity_tokens: int = Field(default=262144, ge=1)  # assumed KV cache per endpoint (server's own figure wins)
