@@ -182,3 +182,31 @@ def test_a_bad_load_source_is_refused():
     p, _ = poller()
     with pytest.raises(ValueError, match="load_source"):
         p.add("x", None, "tgi")  # type: ignore[arg-type]
+
+
+def test_the_gateway_polls_a_named_source_and_never_an_unknown_server(upstreams, gateways):
+    """Through a whole gateway: an endpoint with ``load_source: vllm`` is polled on its
+    origin; one left at ``auto`` whose model list says ``owned_by: fake`` (as
+    llama-cpp-python's says ``me``) is never sent a poll, though both are polled in the
+    same rounds."""
+    import time as clock
+
+    named, unknown = upstreams(), upstreams()
+    gateways(
+        {
+            "clusters": [
+                {"name": "a", "endpoints": [{"url": named.url + "/v1", "load_source": "vllm"}]},
+                {"name": "b", "endpoints": [{"url": unknown.url + "/v1"}]},
+            ],
+            "routing": {"load": {"poll_interval_s": 0.05}},
+        }
+    )
+    deadline = clock.monotonic() + 30  # a bound on a hung gateway, not a speed assertion
+    while named.gets.count("/metrics") < 3 or "/v1/models" not in unknown.gets:
+        assert clock.monotonic() < deadline, (named.gets, unknown.gets)
+        clock.sleep(0.02)
+    seen = named.gets.count("/metrics")
+    while named.gets.count("/metrics") < seen + 3:  # three more rounds after discovery answered
+        assert clock.monotonic() < deadline, named.gets
+        clock.sleep(0.02)
+    assert "/metrics" not in unknown.gets
