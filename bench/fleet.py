@@ -830,6 +830,9 @@ def summarise(records, seconds: float, before: list[dict], after: list[dict], cp
         "goodput": good / seconds, "hit_rate": h / q if q else math.nan,
         "imbalance": max(reqs) / mean if mean else math.nan, "cpu_ms_per_req": 1e3 * cpu_s / max(1, len(records)),
         "preemptions": pre,
+        # why the others missed: TTFT over 1 s, TPOT over 100 ms (a request may miss both)
+        "ttft_miss": sum(1 for r in ok if r.ttft > 1.0) / max(1, len(ok)),
+        "tpot_miss": sum(1 for r in ok if r.tpot is not None and r.tpot > 0.1) / max(1, len(ok)),
     }
 
 
