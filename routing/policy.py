@@ -137,7 +137,9 @@ def _central_targets(
             ld = h.load
             ep = h.endpoint
             if ld is not None and now - ld.at <= stale_s:
-                q = ld.merged_load(h.inflight)
+                # ServerLoad.merged_load, inlined: the server's others plus our in-flight now
+                q = ld.running + ld.waiting - ld.inflight_at
+                q = (q if q > 0.0 else 0.0) + h.inflight
                 kv = ld.kv_usage
             else:
                 q = h.inflight
