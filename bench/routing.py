@@ -11,6 +11,9 @@ arrivals. Strategies:
 - ``edgegw``: ``routing.decide`` (region ranking from measured TTFT, p2c on
   latency × load, rendezvous affinity on the conversation with bounded load), fed with
   the simulated events through ``HealthState`` (and active probes).
+- ``edgegw-signals``: the same with the servers' load read once a simulated second
+  (``HealthState.record_load``) and each conversation's prompt blocks in the prefix index
+  (``record_routed``): what ``decide()`` costs with both.
 - ``round-robin`` and ``random`` over all nine endpoints.
 
 Reported: p50/p99 TTFT, KV prefix hit rate (follow-up turns landing on a replica that
@@ -47,6 +50,7 @@ from routing import (  # noqa: E402
     RouteRequest,
     RoutingConfig,
     RoutingTable,
+    ServerLoad,
     decide,
 )
 
@@ -127,6 +131,7 @@ def simulate(strategy: str, n: int, rate: float, seed: int) -> dict:
     ttfts: list[float] = []
     decide_ns: list[int] = []
     hits = follow_ups = 0
+    next_poll = 0.0
 
     def drain(until: float) -> None:
         while events and events[0][0] <= until:
@@ -143,15 +148,25 @@ def simulate(strategy: str, n: int, rate: float, seed: int) -> dict:
         for url in health.endpoints_to_probe(now):  # probes answer in one RTT
             health.record_probe(url, True, by_url[url].rtt_s, now)
         prompt = SYSTEM_TOKENS + TURN_TOKENS * turn
-        if strategy == "edgegw":
+        if strategy.startswith("edgegw"):
             key = blake2b(repr(conv).encode(), digest_size=16).digest()
+            signals = strategy == "edgegw-signals"
+            # the conversation's prompt blocks (64 tokens each), chained: turn n+1 repeats turn n's
+            blocks = tuple(hash((conv, i)) for i in range(prompt // 64)) if signals else ()
+            if signals and now >= next_poll:  # the servers' own counts, read once a second
+                next_poll = now + 1.0
+                for r in replicas:
+                    health.record_load(r.url, ServerLoad("vllm", r.inflight, 0, None, at=now,
+                                                         inflight_at=health.endpoint(r.url).inflight), now)
             req = RouteRequest(model="big", prompt_tokens=prompt, max_tokens=OUTPUT_TOKENS,
                                stream=True, affinity_key=key, affinity_source="session",
-                               location=CLIENT)
+                               location=CLIENT, prefix_blocks=blocks)
             t0 = time.perf_counter_ns()
             d = decide(req, table, health, now, rng=balancer_rng)
             decide_ns.append(time.perf_counter_ns() - t0)
             rep = by_url[d.target.endpoint]
+            if blocks:
+                health.record_routed(rep.url, blocks, now)
         elif strategy == "round-robin":
             rep = next(rr)
         else:
@@ -198,7 +213,7 @@ def main() -> None:
     args = ap.parse_args()
     global CLUSTER_RATIO
     CLUSTER_RATIO = args.cluster_ratio
-    rows = [simulate(s, args.requests, args.rate, args.seed) for s in ("edgegw", "round-robin", "random")]
+    rows = [simulate(s, args.requests, args.rate, args.seed) for s in ("edgegw", "edgegw-signals", "round-robin", "random")]
     print(f"affinity_cluster_ratio={CLUSTER_RATIO:g}; {args.requests} requests, {args.rate:g}/s, {CONVERSATIONS} Zipf(1.1) conversations of "
           f"{TURNS} turns, 3 clusters x 3 replicas (RTT 10/70/150 ms, one slow replica)\n")
     print("| strategy | TTFT p50 (ms) | TTFT p99 (ms) | KV prefix hit rate | decide() p50 / p99 (µs) |")

@@ -11,7 +11,10 @@ Typical use by the gateway::
     response.headers["x-edgegw-route"] = decision.header_value()
 
 and it feeds ``health.record_start / record_first_token / record_end / record_probe``
-with what happened, probing ``health.endpoints_to_probe(now)``.
+with what happened, probing ``health.endpoints_to_probe(now)``; the servers' own load
+(``signals.read_load`` of their ``/metrics``) goes to ``health.record_load``, and the
+prompt a decision sent to an endpoint to ``health.record_routed(endpoint,
+decision.prefix_blocks, now)`` (its prefix index).
 """
 
 from .balancer import Pick, pick, rendezvous_order
@@ -19,6 +22,7 @@ from .config import (
     BalancerConfig,
     HealthConfig,
     HedgingConfig,
+    LoadConfig,
     PolicyConfig,
     RegionConfig,
     RoutingConfig,
@@ -29,6 +33,8 @@ from .features import budget_of, estimate_prompt_tokens, mean_logprob, request_f
 from .geo import DBIP_ATTRIBUTION, GeoLocator, TrustedProxies, client_address, haversine_km
 from .health import BreakerState, HealthState, RetryBudget
 from .policy import cascade_verdict, decide, locate_client
+from .prefix import PrefixIndex, prompt_blocks, prompt_text
+from .signals import LOAD_SOURCES, MetricsError, ServerLoad, detect_source, parse_prometheus, read_load
 from .table import RoutingTable
 from .types import (
     ClusterSpec,
@@ -51,10 +57,14 @@ __all__ = [
     "HealthState",
     "HedgingConfig",
     "InvalidTransition",
+    "LOAD_SOURCES",
+    "LoadConfig",
     "Location",
+    "MetricsError",
     "NoRoute",
     "Pick",
     "PolicyConfig",
+    "PrefixIndex",
     "RegionConfig",
     "RetryBudget",
     "RouteDecision",
@@ -62,6 +72,7 @@ __all__ = [
     "RoutingConfig",
     "RoutingError",
     "RoutingTable",
+    "ServerLoad",
     "TableError",
     "Target",
     "TargetKind",
@@ -72,12 +83,17 @@ __all__ = [
     "client_address",
     "decide",
     "describe",
+    "detect_source",
     "estimate_prompt_tokens",
     "explain",
     "haversine_km",
     "locate_client",
     "mean_logprob",
+    "parse_prometheus",
     "pick",
+    "prompt_blocks",
+    "prompt_text",
+    "read_load",
     "rendezvous_order",
     "request_from_openai",
 ]

@@ -16,6 +16,17 @@
   affinity when the fleet is nearly idle. A replica predicted more than
   ``affinity_max_ttft_ratio`` × the fastest one's TTFT is passed over too (a degraded
   replica would otherwise keep its conversations and queue them).
+- With a prompt's prefix blocks (``routing.prefix``), instead of the above: each replica
+  scores the share of the prompt it would have to prefill (what its prefix index says it
+  caches), plus the prefill work already sent to it and not answered (in prompts of this
+  size: what the new prompt would queue behind), plus ``load_weight`` per request on it
+  plus a KV-use term, replicas past a
+  looser load bound left out; the lowest score wins (ties: the cheaper). A prompt nobody
+  caches goes to the least loaded replica (join the shortest queue, with the servers'
+  own counts); a hot system prompt stays on its replica until that one carries
+  ``1 / load_weight`` requests more than another, then spreads.
+- Load, where the policy passes it, is the servers' own running + waiting count merged
+  with this gateway's in-flight count (``ServerLoad.merged_load``), else the in-flight count.
 
 Pure functions of their arguments: the caller passes the ``HealthState``, ``now`` and
 the random source.
@@ -136,31 +147,76 @@ def pick_available(
     affinity_key: bytes | None,
     rng: random.Random,
     costs: dict[str, float] | None = None,
+    loads: dict[str, float] | None = None,
+    matches: dict[str, int] | None = None,
+    min_match: int = 1,
+    nblocks: int = 0,
+    kv: dict[str, float] | None = None,
+    pending: dict[str, float] | None = None,
+    load_weight: float = 0.03,
+    prefix_load_factor: float = 2.0,
+    prefix_load_slack: int = 4,
 ) -> Pick | None:
     """``pick`` over records already known to be available (the policy's fast path).
-    ``costs``: ``endpoint_cost`` per endpoint if the caller has them already."""
+    ``costs``: ``endpoint_cost`` per endpoint if the caller has them already; ``loads``:
+    requests on each endpoint (default: this gateway's in-flight count; the policy merges
+    in the servers' own figures); ``matches``: prefix blocks each endpoint probably caches
+    of this prompt of ``nblocks`` blocks (``HealthState.prefix_match``), counted from
+    ``min_match`` blocks on; ``kv``: a score penalty per endpoint for its KV use;
+    ``pending``: prefill work sent to each and not answered yet, in prefix blocks."""
     if not records:
         return None
     if costs is None:
         penalty = config.error_penalty
         costs = {h.endpoint: endpoint_cost(h, prior_s, penalty) for h in records}
-    if affinity_key is not None and config.affinity and len(records) > 1:
-        total = 0
-        predicted = {}
+    if loads is None:
+        loads = {h.endpoint: h.inflight for h in records}
+    n = len(records)
+    if n > 1 and nblocks:
+        # the prompt's cached prefix against the load: each replica scores the share of the
+        # prompt it would prefill (0 when it caches all of it) plus ``load_weight`` per
+        # request on it and a KV term past the knee; replicas past the load bound
+        # (``prefix_load_factor`` × mean + ``prefix_load_slack``) are left out. A prompt
+        # nobody caches goes to the least loaded; a hot one stays put until its replica
+        # carries 1 / load_weight requests more than another.
+        mean = (sum(loads.values()) + 1) / n
+        cap = math.ceil(prefix_load_factor * mean) + prefix_load_slack
+        best = None
+        best_score = math.inf
         for h in records:
-            total += h.inflight
-            predicted[h.endpoint] = predicted_ttft_s(h, prior_s)
-        cap = math.ceil((1.0 + config.affinity_load_factor) * (total + 1) / len(records))
+            ep = h.endpoint
+            q = loads[ep]
+            if q + 1 > cap:
+                continue
+            m = matches.get(ep, 0) if matches else 0
+            score = (1.0 - m / nblocks if m >= min_match else 1.0) + load_weight * q
+            if pending is not None:
+                score += pending.get(ep, 0.0) / nblocks  # prefill queued ahead, in prompts of this size
+            if kv is not None:
+                score += kv.get(ep, 0.0)
+            if score < best_score or (score == best_score and costs[ep] < costs[best]):
+                best, best_score = ep, score
+        if best is not None:
+            others = tuple(sorted((e for e in costs if e != best), key=costs.__getitem__))
+            m = matches.get(best, 0) if matches else 0
+            if m < min_match:
+                return Pick(best, others, "prefix-none", 0)
+            longest = max(matches.values())
+            return Pick(best, others, "prefix-cache" if m == longest else "prefix-cache-partial", 0 if m == longest else 1)
+        # every replica is past the bound: p2c below
+    if affinity_key is not None and config.affinity and n > 1:
+        predicted = {h.endpoint: predicted_ttft_s(h, prior_s) for h in records}
+        cap = math.ceil((1.0 + config.affinity_load_factor) * (sum(loads.values()) + 1) / n)
         cap += config.affinity_load_slack
         slow = min(predicted.values()) * config.affinity_max_ttft_ratio
         ranked = sorted(records, key=lambda h: _weight(affinity_key, h.endpoint), reverse=True)
         for rank, h in enumerate(ranked):
-            if h.inflight + 1 <= cap and predicted[h.endpoint] <= slow:
+            if loads[h.endpoint] + 1 <= cap and predicted[h.endpoint] <= slow:
                 ep = h.endpoint
                 others = tuple(sorted((e for e in costs if e != ep), key=costs.__getitem__))
                 return Pick(ep, others, "hit" if rank == 0 else "overflow", rank)
         # no replica is both under the load bound and fast enough: plain p2c below
-    if len(records) == 1:
+    if n == 1:
         chosen = records[0].endpoint
     else:
         a, b = rng.sample(records, 2)
@@ -168,6 +224,6 @@ def pick_available(
     others = tuple(sorted((e for e in costs if e != chosen), key=costs.__getitem__))
     if affinity_key is None or not config.affinity:
         return Pick(chosen, others)
-    if len(records) == 1:
+    if n == 1:
         return Pick(chosen, others, "hit")
-    return Pick(chosen, others, "overflow", len(records))
+    return Pick(chosen, others, "overflow", n)

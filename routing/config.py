@@ -18,6 +18,7 @@ __all__ = [
     "EDGE",
     "HealthConfig",
     "HedgingConfig",
+    "LoadConfig",
     "PolicyConfig",
     "RegionConfig",
     "RoutingConfig",
@@ -96,6 +97,28 @@ class HedgingConfig(_Model):
     min_delay_ms: float = Field(default=20.0, ge=0)  # never hedge earlier than this
 
 
+class LoadConfig(_Model):
+    """The servers' own load signals (``routing.signals``) and the prefix index
+    (``routing.prefix``). An endpoint is polled only when its ``load_source`` (set per
+    endpoint, or detected from its model list) names a server that publishes metrics."""
+
+    poll_interval_s: float = Field(default=1.0, gt=0)  # GET <origin>/metrics this often per polled endpoint
+    poll_timeout_s: float = Field(default=1.0, gt=0)  # a poll unanswered by then counts as no reading
+    stale_after_s: float = Field(default=3.0, gt=0)  # a reading older than this is ignored
+    kv_knee: float = Field(default=0.9, ge=0, lt=1)  # KV use above this raises an endpoint's cost
+    kv_penalty: float = Field(default=4.0, ge=0)  # cost multiplier at 100 % KV use is 1 + this
+    prefix: bool = True  # route prompts to the replica holding their longest cached prefix
+    prefix_block_chars: int = Field(default=256, ge=16)  # characters per prefix block (~64 tokens)
+    prefix_max_blocks: int = Field(default=512, ge=1)  # blocks hashed per prompt at most
+    prefix_min_blocks: int = Field(default=2, ge=1)  # a shorter cached prefix is no reason to go there
+    prefix_weight: float = Field(default=0.5, ge=0, le=1)  # cluster cost discount for a fully cached prompt
+    prefix_load_weight: float = Field(default=0.03, ge=0)  # a fully cached prompt is worth 1/this requests of load
+    prefix_pending_weight: float = Field(default=0.3, ge=0)  # weight of prefill already queued on a replica
+    prefix_load_factor: float = Field(default=2.0, ge=1)  # replicas above this × mean load are passed over
+    prefix_load_slack: int = Field(default=4, ge=0)  # in-flight allowed above that bound
+    prefix_capacity_tokens: int = Field(default=262144, ge=1)  # assumed KV cache per endpoint (server's own figure wins)
+
+
 class RoutingConfig(_Model):
     geoip_db: str | None = None  # MaxMind-format .mmdb; None: embedded DB-IP City Lite
     trusted_proxies: list[str] = []  # CIDRs whose X-Forwarded-For / Forwarded are believed
@@ -107,6 +130,7 @@ class RoutingConfig(_Model):
     balancer: BalancerConfig = BalancerConfig()  # endpoint choice inside a cluster
     health: HealthConfig = HealthConfig()  # probes, ejection, circuit breakers, retry budget
     hedging: HedgingConfig = HedgingConfig()  # late-first-token hedging
+    load: LoadConfig = LoadConfig()  # the servers' load metrics and the prefix index
 
     @field_validator("trusted_proxies")
     @classmethod

@@ -16,6 +16,7 @@ import orjson
 
 from .config import RoutingConfig
 from .geo import _header
+from .prefix import prompt_blocks, prompt_text
 from .types import Location, RouteRequest
 
 __all__ = ["BUDGET_HEADER", "affinity_key", "budget_of", "estimate_prompt_tokens", "mean_logprob", "request_from_openai"]
@@ -128,6 +129,8 @@ def request_from_openai(
         max_tokens = None
     tools = body.get("tools") or body.get("functions")
     key, source = affinity_key(body, headers, config)
+    load = config.load
+    blocks = prompt_blocks(prompt_text(body), load.prefix_block_chars, load.prefix_max_blocks) if load.prefix else ()
     model = body.get("model")
     return RouteRequest(
         model=model if isinstance(model, str) and model else "auto",
@@ -141,6 +144,7 @@ def request_from_openai(
         affinity_source=source,
         client_ip=client_ip,
         location=location,
+        prefix_blocks=blocks,
     )
 
 

@@ -33,8 +33,10 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
-from .config import BalancerConfig, HealthConfig, RoutingConfig
+from .config import BalancerConfig, HealthConfig, LoadConfig, RoutingConfig
 from .errors import InvalidTransition
+from .prefix import PrefixIndex
+from .signals import ServerLoad
 
 __all__ = [
     "BreakerEvent",
@@ -119,6 +121,10 @@ class EndpointHealth:
         "probe_started_at",
         "requests",
         "failures",
+        "load",
+        "prefix",
+        "pending",
+        "pending_tokens",
     )
 
     def __init__(self, endpoint: str) -> None:
@@ -136,6 +142,12 @@ class EndpointHealth:
         self.probe_started_at: float | None = None
         self.requests = 0
         self.failures = 0
+        self.load: ServerLoad | None = None  # the server's own last reading of its load
+        self.prefix: PrefixIndex | None = None  # prompt prefixes probably in its cache
+        # prefill work sent and not yet answered (tokens its cache probably lacked), oldest
+        # first: the server prefills roughly in order, so each first token retires the oldest
+        self.pending: deque[float] = deque()
+        self.pending_tokens = 0.0
 
     def __repr__(self) -> str:
         return (
@@ -195,9 +207,14 @@ class HealthState:
         *,
         ewma_alpha: float = BalancerConfig().ewma_alpha,
         endpoints: Iterable[str] = (),
+        load: LoadConfig | None = None,
+        chars_per_token: float = 4.0,
     ) -> None:
         self.config = config if config is not None else HealthConfig()
         self.alpha = ewma_alpha
+        self.load_config = load if load is not None else LoadConfig()
+        # tokens per prefix block: sizes each endpoint's index from its KV capacity
+        self.block_tokens = self.load_config.prefix_block_chars / chars_per_token
         self.retry_budget = RetryBudget(
             self.config.retry_budget_ratio,
             self.config.retry_budget_min,
@@ -211,7 +228,13 @@ class HealthState:
     def from_config(
         cls, config: RoutingConfig, endpoints: Iterable[str] = ()
     ) -> "HealthState":
-        return cls(config.health, ewma_alpha=config.balancer.ewma_alpha, endpoints=endpoints)
+        return cls(
+            config.health,
+            ewma_alpha=config.balancer.ewma_alpha,
+            endpoints=endpoints,
+            load=config.load,
+            chars_per_token=config.policy.chars_per_token,
+        )
 
     # -- access -------------------------------------------------------------------
 
@@ -302,6 +325,8 @@ class HealthState:
     def record_first_token(self, endpoint: str, ttft_s: float, now: float) -> None:
         h = self.endpoint(endpoint)
         h.ttft_s = _ewma(h.ttft_s, ttft_s, self.alpha)
+        if h.pending:
+            h.pending_tokens = max(0.0, h.pending_tokens - h.pending.popleft())
 
     def record_end(
         self,
@@ -323,6 +348,8 @@ class HealthState:
         state = self._advance(h, now)
         if h.inflight > 0:
             h.inflight -= 1
+        while len(h.pending) > h.inflight:  # ended without a first token: its prefill is gone too
+            h.pending_tokens = max(0.0, h.pending_tokens - h.pending.popleft())
         self._trim(h, now)
         h.outcomes.append((now, ok))
         cfg = self.config
@@ -373,6 +400,59 @@ class HealthState:
             h.breaker.process(BreakerEvent.TRIAL_FAILED, now, self.config)
         elif state is BreakerState.CLOSED and h.probe_failures >= self.config.failure_threshold:
             self._trip(h, now)
+
+    def record_load(self, endpoint: str, load: ServerLoad, now: float) -> None:
+        """A reading of the server's own metrics (``routing.signals.read_load``). It sizes
+        the endpoint's prefix index when it says how large the KV cache is, and a server
+        whose counters went back to zero has restarted: its cache is gone."""
+        h = self.endpoint(endpoint)
+        previous = h.load
+        h.load = load
+        if h.prefix is not None:
+            if (
+                previous is not None
+                and previous.hit_counters is not None
+                and load.hit_counters is not None
+                and load.hit_counters[0] < previous.hit_counters[0]
+            ):
+                h.prefix.clear()
+            if load.kv_capacity_tokens:
+                h.prefix.resize(self._capacity_blocks(load.kv_capacity_tokens))
+
+    def fresh_load(self, h: EndpointHealth, now: float) -> ServerLoad | None:
+        """``h``'s last server reading if it is within ``load.stale_after_s``, else None."""
+        load = h.load
+        if load is None or now - load.at > self.load_config.stale_after_s:
+            return None
+        return load
+
+    def record_routed(self, endpoint: str, blocks: tuple[int, ...], now: float) -> None:
+        """A prompt of these prefix blocks (``RouteRequest.prefix_blocks``) was sent to
+        ``endpoint``: its server now caches them (and evicts the least recent)."""
+        if not blocks:
+            return
+        h = self.endpoint(endpoint)
+        if h.prefix is None:
+            tokens = self.load_config.prefix_capacity_tokens
+            if h.load is not None and h.load.kv_capacity_tokens:
+                tokens = h.load.kv_capacity_tokens
+            h.prefix = PrefixIndex(self._capacity_blocks(tokens))
+        uncached = (len(blocks) - h.prefix.match(blocks)) * self.block_tokens
+        if len(h.pending) < 4096:
+            h.pending.append(uncached)
+            h.pending_tokens += uncached
+        h.prefix.insert(blocks)
+
+    def prefix_match(self, endpoint: str, blocks: tuple[int, ...]) -> int:
+        """Leading ``blocks`` that ``endpoint`` probably caches."""
+        h = self._endpoints.get(endpoint)
+        if h is None or h.prefix is None:
+            return 0
+        return h.prefix.match(blocks)
+
+    def _capacity_blocks(self, tokens: int) -> int:
+        # bounded memory whatever a server claims: 64k blocks is ~4 M tokens of prompts
+        return max(1, min(65536, int(tokens / self.block_tokens)))
 
     def try_retry(self, now: float) -> bool:
         """Spend one unit of the retry budget (call before a retry or a hedge)."""
@@ -455,6 +535,9 @@ class HealthState:
                 "open_until": h.breaker.open_until if state is BreakerState.OPEN else None,
                 "requests": h.requests,
                 "failures": h.failures,
+                "server_load": None if h.load is None else h.load.to_dict(),
+                "prefix_blocks": 0 if h.prefix is None else len(h.prefix),
+                "pending_prefill_tokens": h.pending_tokens,
             }
         requests, retries = self.retry_budget.counts(now)
         return {"endpoints": out, "retry_budget": {"requests": requests, "retries": retries}}

@@ -18,6 +18,12 @@ Rules, in order:
    best cluster the balancer picks (power of two choices, affinity, bounded load).
    Clusters whose endpoints are all ejected are skipped; when every endpoint serving the
    model is ejected, all of them are scored anyway (``health.panic``, on by default).
+   The servers' own load (``HealthState.record_load``, while fresher than
+   ``load.stale_after_s``) replaces the in-flight count in the cost (merged: the server's
+   count less this gateway's share when it was read, plus its in-flight count now); KV
+   use past ``load.kv_knee`` multiplies it; the share of the prompt an endpoint's prefix
+   index holds discounts it (``load.prefix_weight``). With prefix blocks the balancer
+   picks by cached share, queued prefill and load (see ``balancer``).
 3. Explicit models go where they are served. An ``auto`` request stays at the edge
    when it is short and simple (prompt ≤ ``edge_max_prompt_tokens``, max_tokens ≤
    ``edge_max_output_tokens``, no tools or attachments) and the edge is healthy, not
@@ -83,6 +89,19 @@ def _central_targets(
     pol = cfg.policy
     dist = _distances(table, request, home)
     penalty = cfg.balancer.error_penalty
+    lcfg = cfg.load
+    stale_s = lcfg.stale_after_s
+    knee = lcfg.kv_knee
+    kv_slope = lcfg.kv_penalty / (1.0 - knee)
+    blocks = request.prefix_blocks if lcfg.prefix else ()
+    nblocks = len(blocks)
+    min_match = lcfg.prefix_min_blocks
+    weight = lcfg.prefix_weight / nblocks if nblocks else 0.0
+    block_tokens = health.block_tokens
+    pw = lcfg.prefix_pending_weight
+    loads: dict[str, float] = {}
+    matches: dict[str, int] = {}
+    kvs: dict[str, float] = {}
     scored: list[tuple[float, Cluster, float, list[EndpointHealth], dict[str, float], EndpointHealth]] = []
     ejected: list[str] = []
     available = health.available_records
@@ -106,12 +125,33 @@ def _central_targets(
         best = math.inf
         best_h = avail[0]
         for h in avail:
-            # endpoint_cost(h, prior_s, penalty), inlined (the per-request hot loop)
+            # endpoint_cost(h, prior_s, penalty), inlined (the per-request hot loop), with
+            # the server's own load merged in while its reading is fresh, its KV use, and
+            # the prefill its prefix cache probably saves
             t = h.ttft_s
             if t is None:
                 t = prior_s if h.rtt_s is None else h.rtt_s + prior_s
             n = len(h.outcomes)
-            c = costs[h.endpoint] = t * (h.inflight + 1) * (1.0 + penalty * (h.window_failures / n if n else 0.0))
+            ld = h.load
+            ep = h.endpoint
+            if ld is not None and now - ld.at <= stale_s:
+                # ServerLoad.merged_load, inlined: the server's others plus our in-flight now
+                q = ld.running + ld.waiting - ld.inflight_at
+                q = (q if q > 0.0 else 0.0) + h.inflight
+                kv = ld.kv_usage
+            else:
+                q = h.inflight
+                kv = None
+            loads[ep] = q
+            c = t * (q + 1) * (1.0 + penalty * (h.window_failures / n if n else 0.0))
+            if kv is not None and kv > knee:
+                c *= 1.0 + kv_slope * (kv - knee)
+                kvs[ep] = (kv - knee) / (1.0 - knee)
+            if nblocks and h.prefix is not None:
+                m = matches[ep] = h.prefix.match(blocks)
+                if m >= min_match:
+                    c *= 1.0 - weight * m
+            costs[ep] = c
             if c < best:
                 best, best_h = c, h
         scored.append((best, cluster, prior_s, avail, costs, best_h))
@@ -139,10 +179,25 @@ def _central_targets(
         affinity_key=request.affinity_key,
         rng=rng if rng is not None else SHARED_RNG,
         costs=costs,
+        loads=loads,
+        matches=matches,
+        min_match=min_match,
+        nblocks=nblocks,
+        kv=kvs,
+        pending={h.endpoint: pw * h.pending_tokens / block_tokens for h in avail} if nblocks and pw else None,
+        load_weight=lcfg.prefix_load_weight,
+        prefix_load_factor=lcfg.prefix_load_factor,
+        prefix_load_slack=lcfg.prefix_load_slack,
     )
     assert chosen is not None  # the cluster has an available endpoint
     affinity = None
-    if chosen.affinity is not None:
+    if chosen.affinity == "prefix-none":
+        pass  # nobody caches it: the least loaded took it
+    elif chosen.affinity in ("prefix-cache", "prefix-cache-partial"):
+        affinity = chosen.affinity
+        m = matches.get(chosen.endpoint, 0)
+        reasons.append(f"cached prefix {m}/{nblocks} blocks -> {chosen.endpoint}")
+    elif chosen.affinity is not None:
         src = request.affinity_source or "key"
         if chosen.affinity == "hit":
             affinity = src
@@ -361,6 +416,7 @@ def _decide(
         hedge_target=hedge_target,
         cascade_threshold=cascade,
         affinity=affinity,
+        prefix_blocks=request.prefix_blocks,
     )
 
 

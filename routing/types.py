@@ -141,6 +141,9 @@ class RouteRequest:
     affinity_source: str | None = None
     client_ip: str | None = None
     location: Location | None = None
+    # chained hashes of the prompt's blocks (``routing.prefix.prompt_blocks``): which
+    # replica probably caches the longest part of it
+    prefix_blocks: tuple[int, ...] = ()
 
 
 _UNSAFE = re.compile(r"[^\x20-\x7e]")
@@ -181,6 +184,9 @@ class RouteDecision:
     cascade_threshold: float | None = None
     affinity: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # the request's prefix blocks: the gateway records them against the endpoint it sends
+    # the request to (``HealthState.record_routed``)
+    prefix_blocks: tuple[int, ...] = ()
 
     def header_value(self, max_len: int = 512) -> str:
         """One ASCII line for the ``x-edgegw-route`` response header."""

@@ -170,6 +170,11 @@ class EndpointSettings(_Model):
     # other form), passthrough (the client's own id), off (none); the client's id is logged beside it
     request_id: Literal["uuid", "passthrough", "off"] = "uuid"
 
+    # where the server's own load is read (routing.load): auto = from the owned_by of the model list discovery
+    # fetches (vllm, sglang, llamacpp; anything else is not polled), none = never polled
+    load_source: Literal["auto", "vllm", "sglang", "llamacpp", "none"] = "auto"
+    metrics_path: str = "/metrics"  # the server's Prometheus text, on its origin
+
     @model_validator(mode="before")
     @classmethod
     def _userinfo_out_of_the_url(cls, data: Any) -> Any:

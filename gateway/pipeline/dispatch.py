@@ -86,7 +86,11 @@ class Dispatcher:
         # the affinity key hashes the leading messages: on a thread when they are large
         request = await asyncio.to_thread(features) if parsed.large else features()
         try:
-            return decide(request, table, fleet.health, time.monotonic(), edge=fleet.edge_stats(), rng=self.rng)
+            now = time.monotonic()
+            decision = decide(request, table, fleet.health, now, edge=fleet.edge_stats(), rng=self.rng)
+            if decision.prefix_blocks and decision.target.endpoint is not None:
+                fleet.health.record_routed(decision.target.endpoint, decision.prefix_blocks, now)
+            return decision
         except UnknownModel:
             fleet.discover_soon()  # a server may have gained it since the last look
             if fleet.undiscovered(parsed.model):

@@ -34,6 +34,8 @@ from gateway.observe import GaugeSample, Metrics
 from gateway.pipeline.queue import TargetQueue
 from gateway.replies import Reply, UpstreamReply
 from gateway.upstream import Upstream
+from gateway.upstream.load import LoadPoller, pool_fetch
+from routing.signals import detect_source
 from routing import ClusterSpec, EdgeStats, GeoLocator, HealthState, RoutingTable, Target, TargetKind
 
 __all__ = ["ClusterPool", "Fleet", "HealthFeed"]
@@ -61,6 +63,7 @@ class ClusterPool:
         self.models: tuple[str, ...] = tuple(settings.models)
         self.discovers = not settings.models
         self._listed: dict[str, frozenset[str]] = {}  # endpoint URL -> the models it listed last
+        self.detected: dict[str, str | None] = {}  # endpoint URL -> load source its owned_by names
 
     def spec(self) -> ClusterSpec:
         return ClusterSpec(self.name, self.models, tuple(u.url for u in self.upstreams))
@@ -83,7 +86,9 @@ class ClusterPool:
                 logger.warning("model discovery: GET %s answered %d; is the URL the server's base URL?", url, response.status_code)
                 continue
             try:
-                data = orjson.loads(response.content).get("data", [])
+                payload = orjson.loads(response.content)
+                self.detected[upstream.url] = detect_source(payload)
+                data = payload.get("data", [])
                 self._listed[upstream.url] = frozenset(m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str))
             except (orjson.JSONDecodeError, AttributeError, TypeError):
                 logger.warning("model discovery: GET %s did not answer an OpenAI model list", url)
@@ -158,6 +163,7 @@ class Fleet:
         self.feed: HealthFeed | None = None
         self.queues: dict[str, TargetQueue] = {}  # endpoint URL or "edge" -> its queue
         self.tracing = None  # gateway.observe.tracing.Tracing when traces are on
+        self.load: LoadPoller | None = None  # polls the servers' own load metrics
         self._tasks: set[asyncio.Task] = set()
         self._asked = asyncio.Event()  # a request named a model nobody listed (discover_soon)
 
@@ -203,6 +209,13 @@ class Fleet:
         self.geo = await asyncio.to_thread(_open_geo, self.routing)
         self.health = HealthState.from_config(self.routing, list(self.upstreams))
         self.feed = HealthFeed(self.health, self.metrics)
+        self.load = LoadPoller(self.health, self.routing.load)
+        for cluster_settings in settings.clusters:
+            for endpoint in cluster_settings.endpoints:
+                upstream = self.upstreams[endpoint.url]
+                auth = [h for h in upstream.headers if h[0] == b"authorization"]
+                fetch = pool_fetch(upstream.control, auth, self.routing.load.poll_timeout_s)
+                self.load.add(endpoint.url, fetch, endpoint.load_source, endpoint.metrics_path)
         self._build_table()
         first = [self._spawn(upstream.pool.warm()) for upstream in self.upstreams.values()]
         for cluster in self.clusters:
@@ -216,6 +229,8 @@ class Fleet:
             await asyncio.wait(first, timeout=settings.limits.startup_wait_s)
         if self.upstreams and self.routing.health.probe_path is not None:
             self._spawn(self._probe_loop())
+        if self.upstreams:
+            self._spawn(self.load.run())  # polls only the servers whose load_source is known
 
     async def aclose(self) -> None:
         for task in list(self._tasks):
@@ -245,6 +260,8 @@ class Fleet:
         while True:
             if await cluster.discover(settings.discovery_timeout_s, self._busy):
                 self._build_table()
+            for url, source in cluster.detected.items():
+                self.load.detected(url, source)
             discovered.set()
             self._asked.clear()
             interval = settings.discovery_interval_s if cluster.models else min(1.0, settings.discovery_interval_s)

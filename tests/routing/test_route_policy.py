@@ -220,6 +220,8 @@ def test_central_only_gateway():
 
 
 def test_affinity_follow_up_turns_same_endpoint(table, health):
+    """Follow-up turns go where the conversation's prefix is cached: the gateway records
+    each routed prompt (``record_routed``, as the dispatcher does) in the prefix index."""
     cfg = table.config
     convo = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "x" * 30_000}]
     endpoints = set()
@@ -227,8 +229,23 @@ def test_affinity_follow_up_turns_same_endpoint(table, health):
         body = {"model": "llama-70b", "messages": convo + [{"role": "assistant", "content": "ok"}] * turn}
         req = request_from_openai(body, {}, cfg, location=SF)
         d = decide(req, table, health, NOW + turn)
+        health.record_routed(d.target.endpoint, d.prefix_blocks, NOW + turn)
         endpoints.add(d.target.endpoint)
-        assert d.affinity == "prefix"
+        assert d.affinity == (None if turn == 0 else "prefix-cache")
+    assert len(endpoints) == 1
+
+
+def test_affinity_by_rendezvous_without_the_prefix_index():
+    cfg = make_config(load={"prefix": False})
+    table = RoutingTable.build(cfg, CLUSTERS, EDGE_MODEL)
+    health = HealthState.from_config(cfg, table.endpoint_ids())
+    convo = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "x" * 30_000}]
+    endpoints = set()
+    for turn in range(4):
+        body = {"model": "llama-70b", "messages": convo + [{"role": "assistant", "content": "ok"}] * turn}
+        d = decide(request_from_openai(body, {}, cfg, location=SF), table, health, NOW + turn)
+        endpoints.add(d.target.endpoint)
+        assert d.affinity == "prefix"  # the hash of the leading messages
     assert len(endpoints) == 1
 
 
