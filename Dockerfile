@@ -21,6 +21,14 @@ ARG BASE_IMAGE=docker.io/library/python:3.11-slim-bookworm
 # The optional `--build-context wheels=DIR`: without it this empty stage stands in.
 FROM scratch AS wheels
 
+# An init for PID 1: it reaps orphans and passes SIGTERM/SIGINT on to edgegw. edgegw's
+# supervisor (listen.workers > 1, or edge.process) must not run as PID 1: its children take a
+# parent pid of 1 for "the parent died" and leave at once.
+FROM ${BASE_IMAGE} AS tini
+RUN apt-get update -qq \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends tini >/dev/null \
+ && /usr/bin/tini-static --version
+
 # ------------------------------------------------------------------------------------- deps
 FROM ${BASE_IMAGE} AS deps
 # cpu | cu126 | cu128 | ...: the download.pytorch.org index torch comes from
@@ -115,10 +123,13 @@ RUN pip install --no-deps --no-build-isolation /src \
  && rm -rf /src \
  && edgegw check-config /dev/null >/dev/null
 # The compiled kernels, at the same path. The gateway's user owns them: torch's loader takes
-# a lock file in the build directory (it compiles nothing: ninja finds the build up to date).
-ENV XDG_CACHE_HOME=/opt/edgegw
+# a lock file in the build directory (it compiles nothing: ninja finds the build up to date,
+# and the compiler check it would warn about is skipped).
+ENV XDG_CACHE_HOME=/opt/edgegw \
+    TORCH_DONT_CHECK_COMPILER_ABI=1
 COPY --from=builder --chown=edgegw:edgegw /opt/edgegw /opt/edgegw
 COPY deploy/container/config.yaml /etc/edgegw/config.yaml
+COPY --from=tini /usr/bin/tini-static /usr/bin/tini
 
 # Docker's CUDA images' variables: the NVIDIA container toolkit mounts the driver's libraries
 # for these (the CPU image ignores GPUs whatever it is given)
@@ -132,7 +143,7 @@ STOPSIGNAL SIGTERM
 # liveness only (/readyz says whether to send traffic); python, as the image has no curl
 HEALTHCHECK --interval=15s --timeout=3s --start-period=120s --retries=3 \
     CMD ["python", "-c", "import sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/healthz', timeout=2).status != 200)"]
-ENTRYPOINT ["edgegw", "serve", "--config", "/etc/edgegw/config.yaml"]
+ENTRYPOINT ["/usr/bin/tini", "--", "edgegw", "serve", "--config", "/etc/edgegw/config.yaml"]
 
 LABEL org.opencontainers.image.title="edgegw" \
       org.opencontainers.image.description="An edge-aware latency gateway for LLM inference fleets" \

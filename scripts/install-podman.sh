@@ -9,13 +9,14 @@ need=()
 for cmd in podman mmdebstrap runc; do
     command -v "$cmd" >/dev/null 2>&1 || need+=("$cmd")
 done
-# podman build's networking and rootless helpers; fuse-overlayfs for kernels without overlay in a user namespace
-dpkg -s uidmap slirp4netns fuse-overlayfs >/dev/null 2>&1 || need+=(uidmap slirp4netns fuse-overlayfs)
+# podman build's networking and rootless helpers; fuse-overlayfs for kernels without overlay in a
+# user namespace; catatonit for the pause image of `podman kube play`'s pods
+dpkg -s uidmap slirp4netns fuse-overlayfs catatonit >/dev/null 2>&1 || need+=(uidmap slirp4netns fuse-overlayfs catatonit)
 if [ "${#need[@]}" -gt 0 ]; then
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq
     apt-get install -y -qq --no-install-recommends podman mmdebstrap runc uidmap slirp4netns fuse-overlayfs \
-        containernetworking-plugins iptables ca-certificates >/dev/null
+        containernetworking-plugins iptables catatonit ca-certificates >/dev/null
 fi
 
 # default_ulimits above the hard limit make every container start fail with
