@@ -6,7 +6,7 @@
 set -euo pipefail
 
 need=()
-for cmd in podman mmdebstrap runc; do
+for cmd in podman mmdebstrap runc curl; do
     command -v "$cmd" >/dev/null 2>&1 || need+=("$cmd")
 done
 # podman build's networking and rootless helpers; fuse-overlayfs for kernels without overlay in a
@@ -16,7 +16,7 @@ if [ "${#need[@]}" -gt 0 ]; then
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq
     apt-get install -y -qq --no-install-recommends podman mmdebstrap runc uidmap slirp4netns fuse-overlayfs \
-        containernetworking-plugins iptables catatonit ca-certificates >/dev/null
+        containernetworking-plugins iptables catatonit ca-certificates curl >/dev/null
 fi
 
 # default_ulimits above the hard limit make every container start fail with
