@@ -102,7 +102,8 @@ ENV XDG_CACHE_HOME=/opt/edgegw
 COPY edge_engine/ /src/edge_engine/
 RUN mkdir -p "$TORCH_EXTENSIONS_DIR" \
  && cd /src \
- && (python -c 'import edge_engine.kernels as k; print("kernels built:", k.available())' \
+ && (python -c 'import edge_engine.kernels as k; build = getattr(k, "build", None); \
+print("kernels built:", bool(build()) if build else k.available())' \
      || echo "kernels: the early build failed; the step after the install builds them")
 
 COPY . /src
