@@ -280,5 +280,11 @@ class _DrainingServer(Server):
     def handle_exit(self, sig, frame) -> None:
         gateway = getattr(self.config.app, "gateway", None)
         if gateway is not None:
+            if not gateway.gate.draining:
+                logging.getLogger("edgegw").info(
+                    "draining: %d request(s) in flight may finish, for up to %g s (limits.drain_timeout_s)",
+                    gateway.gate.in_flight,
+                    self.config.timeout_graceful_shutdown,
+                )
             gateway.gate.draining = True
         super().handle_exit(sig, frame)

@@ -112,14 +112,15 @@ def run_engine(settings: Settings, path: str) -> None:
     uvicorn.Server(config).run()
 
 
-def _child_main(target: Callable, cpus: frozenset[int] | None, *args) -> None:
+def _child_main(target: Callable, parent: int, cpus: frozenset[int] | None, *args) -> None:
     """A child's first step: a process group of its own, SIGTERM when the parent dies, and
-    its CPUs (``cpus``; None: the parent's); then ``target(*args)``."""
+    its CPUs (``cpus``; None: the parent's); then ``target(*args)``. ``parent``: the
+    supervisor's pid (it may itself be 1, as a container's first process)."""
     os.setpgrp()
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    if os.getppid() == 1:
-        return  # the parent died before the line above
+    if os.getppid() != parent:
+        return  # the parent died before the line above (the child was handed to another)
     if cpus is not None:
         os.sched_setaffinity(0, cpus)  # before torch sizes its thread pool
     target(*args)
@@ -163,7 +164,9 @@ class _Child:
     def start(self, context) -> None:
         if self.heartbeat is not None:
             self.heartbeat.value = 0.0
-        self.process = context.Process(target=_child_main, args=(self.target, self.cpus, *self.args), name=f"edgegw {self.name}")
+        self.process = context.Process(
+            target=_child_main, args=(self.target, os.getpid(), self.cpus, *self.args), name=f"edgegw {self.name}"
+        )
         self.process.start()
         self.started_at = time.monotonic()
         self.restart_at = None
