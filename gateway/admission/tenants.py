@@ -75,6 +75,13 @@ def _keys_of(settings: TenantSettings) -> list[str]:
     keys = [k.get_secret_value() for k in settings.keys]
     if settings.keys_env:
         keys += [k.strip() for k in os.environ.get(settings.keys_env, "").split(",") if k.strip()]
+    if settings.keys_file:
+        try:
+            with open(settings.keys_file, encoding="utf-8") as file:
+                text = file.read()
+        except OSError as exc:
+            raise ValueError(f"tenant {settings.name}: keys_file {settings.keys_file}: {exc.strerror or exc}") from None
+        keys += [k.strip() for line in text.splitlines() for k in line.split(",") if k.strip()]
     return keys
 
 

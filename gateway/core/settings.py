@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import math
 import os
 import re
 import warnings
@@ -108,8 +109,8 @@ class ListenSettings(_Model):
     @field_validator("workers")
     @classmethod
     def _resolve_workers(cls, value: int | str) -> int:
-        if value == "auto":  # the cores this process may run on (its CPU affinity), not the machine's
-            return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        if value == "auto":  # the cores this process may use (affinity and a container's CPU quota), not the machine's
+            return usable_cpus()
         if value < 1:
             raise ValueError("must be at least 1, or auto")
         return value
@@ -319,6 +320,12 @@ class TenantSettings(TenantPolicy):
     name: str = Field(min_length=1)  # shown in metrics and logs (never a key)
     keys: tuple[SecretStr, ...] = ()  # API keys: plain, or "sha256:<hex of the key's sha256>"
     keys_env: str | None = None  # also: a comma-separated list in this environment variable
+    keys_file: str | None = None  # also: a file of keys, one per line or comma-separated (a mounted Secret; read again on reload)
+
+    @field_validator("keys_file")
+    @classmethod
+    def _keys_file_exists(cls, value: str | None) -> str | None:
+        return None if value is None else _readable_file(value)
 
     @field_validator("keys")
     @classmethod
@@ -508,6 +515,29 @@ class Settings(_Model):
         return self
 
 
+def usable_cpus() -> int:
+    """How many CPUs this process can keep busy: its CPU affinity, capped by a cgroup CPU
+    quota (a container's ``resources.limits.cpu``: cgroup v2 ``cpu.max``, v1
+    ``cpu.cfs_quota_us`` over ``cpu.cfs_period_us``), rounded up, at least 1."""
+    count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    quota = _cgroup_cpu_quota()
+    return max(1, min(count, math.ceil(quota))) if quota else count
+
+
+def _cgroup_cpu_quota(root: str = "/sys/fs/cgroup") -> float | None:
+    try:
+        quota, period = Path(root, "cpu.max").read_text().split()[:2]  # v2: "max 100000" or "150000 100000"
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota = int(Path(root, "cpu", "cpu.cfs_quota_us").read_text())  # v1: -1 without a quota
+        period = int(Path(root, "cpu", "cpu.cfs_period_us").read_text())
+        return quota / period if quota > 0 and period > 0 else None
+    except (OSError, ValueError):
+        return None
+
+
 def cpu_set(cpus: str) -> frozenset[int]:
     """The CPUs of a Linux CPU list such as ``"0-3,8,10-11"`` (as ``taskset -c`` reads it)."""
     result: set[int] = set()
@@ -551,10 +581,38 @@ def load_settings(path: str | os.PathLike[str]) -> Settings:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping")
+    data = _expand(data, path, node, ())
     try:
         return Settings.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_describe(path, node, exc)) from None
+
+
+_VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def _expand(value: Any, path: Path, node: yaml.Node | None, loc: tuple) -> Any:
+    """``${NAME}`` in any string value replaced by the environment variable ``NAME`` (a
+    Redis URL with its password, a key kept in a Kubernetes Secret); ``$${`` is a literal
+    ``${``. An unset variable is an error naming the key and its line."""
+    if isinstance(value, dict):
+        return {k: _expand(v, path, node, (*loc, k)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_expand(v, path, node, (*loc, i)) for i, v in enumerate(value)]
+    if not isinstance(value, str) or "${" not in value:
+        return value
+
+    def variable(match: re.Match) -> str:
+        if match.start() > 0 and value[match.start() - 1] == "$":
+            return match.group(0)
+        name = match.group(1)
+        if name not in os.environ:
+            line = _line_of(node, loc)
+            where = f"{path}:{line}" if line else str(path)
+            raise ConfigError(f"{where}: {'.'.join(map(str, loc))}: the environment variable {name} is not set")
+        return os.environ[name]
+
+    return _VARIABLE.sub(variable, value).replace("$${", "${")
 
 
 class _Loader(yaml.SafeLoader):

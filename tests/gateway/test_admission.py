@@ -152,3 +152,13 @@ def test_no_key_reaches_a_log_line(upstreams, gateway_processes):
     assert "tenant=acme" in log  # the access log names the tenant
     for secret in (SECRET, "sk-guess-that-is-wrong"):
         assert secret not in log, [line for line in log.splitlines() if secret in line][:3]
+
+
+def test_keys_from_a_file_as_a_mounted_secret_gives_them(tmp_path):
+    keys = tmp_path / "acme"
+    keys.write_text("sk-file-1\nsk-file-2, sk-file-3\n")
+    registry = Tenants(AuthSettings(mode="required"), (TenantSettings(name="acme", keys_file=str(keys)),))
+    for key in (b"sk-file-1", b"sk-file-2", b"sk-file-3"):
+        assert registry.identify([(b"authorization", b"Bearer " + key)]).name == "acme"
+    with pytest.raises(ValueError, match="not a readable file"):
+        TenantSettings(name="acme", keys_file=str(tmp_path / "missing"))

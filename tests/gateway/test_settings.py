@@ -10,6 +10,7 @@ import pydantic
 import pytest
 
 from edge_engine.config import EngineConfig
+from gateway.core import settings as module
 from gateway.core.settings import ConfigError, EdgeSettings, Settings, load_settings
 from tests.conftest import ROOT
 
@@ -77,3 +78,26 @@ def test_tracing_endpoint_still_works_under_its_old_name_with_a_warning(tmp_path
     assert settings.tracing.otlp_url == "http://127.0.0.1:4318/v1/traces"
     path.write_text("tracing:\n  otlp_url: http://127.0.0.1:4318/v1/traces\n")
     assert load_settings(path).tracing.otlp_url == "http://127.0.0.1:4318/v1/traces"
+
+
+def test_environment_variables_in_values(tmp_path, monkeypatch):
+    monkeypatch.setenv("REDIS_PASSWORD", "pw-1")
+    path = tmp_path / "env.yaml"
+    path.write_text("rate_limits:\n  backend: redis\n  redis_url: redis://:${REDIS_PASSWORD}@10.0.0.20:6379/0\n  namespace: a$${b}\n")
+    settings = load_settings(path)
+    assert settings.rate_limits.redis_url == "redis://:pw-1@10.0.0.20:6379/0"
+    assert settings.rate_limits.namespace == "a${b}"
+    monkeypatch.delenv("REDIS_PASSWORD")
+    with pytest.raises(ConfigError) as caught:
+        load_settings(path)
+    assert str(caught.value) == f"{path}:3: rate_limits.redis_url: the environment variable REDIS_PASSWORD is not set"
+
+
+def test_listen_workers_auto_counts_a_containers_cpu_quota(tmp_path, monkeypatch):
+    (tmp_path / "cpu.max").write_text("150000 100000\n")  # 1.5 CPUs
+    assert module._cgroup_cpu_quota(str(tmp_path)) == 1.5
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert module._cgroup_cpu_quota(str(tmp_path)) is None
+    monkeypatch.setattr(module, "_cgroup_cpu_quota", lambda root="/sys/fs/cgroup": 1.5)
+    monkeypatch.setattr(module.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert module.usable_cpus() == 2 and Settings.model_validate({"listen": {"workers": "auto"}}).listen.workers == 2
