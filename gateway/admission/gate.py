@@ -99,6 +99,7 @@ class Gate:
 
     __slots__ = (
         "settings", "metrics", "observer", "tracing", "headers", "tenants", "limiter", "in_flight", "draining", "shedding_until",
+        "on_drain",
     )
 
     def __init__(self, settings: Settings, metrics: Metrics, observer: Observer, tracing=None) -> None:
@@ -112,6 +113,15 @@ class Gate:
         self.in_flight = 0
         self.draining = False
         self.shedding_until = 0.0  # time.monotonic(): /readyz says not ready until then
+        self.on_drain: set = set()  # callables told when draining starts (open WebSockets)
+
+    def drain(self) -> None:
+        """The gateway is shutting down: refuse new work, and tell whoever holds a long-lived
+        connection (a WebSocket) to end it once what it is answering is done."""
+        if not self.draining:
+            self.draining = True
+            for tell in list(self.on_drain):
+                tell()
 
     @property
     def shedding(self) -> bool:

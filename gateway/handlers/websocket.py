@@ -28,6 +28,8 @@ from gateway.replies import Answer
 __all__ = ["WebSocketApp"]
 
 _WS_QUEUE = 16  # WebSocket messages read ahead of the one being answered
+_DRAIN = {"type": "edgegw.drain"}  # put in a socket's inbox when the gateway starts draining
+_STOPPED = "the gateway stopped this answer: it is shutting down and the drain time ran out"
 
 
 class WebSocketApp:
@@ -40,14 +42,22 @@ class WebSocketApp:
         socket: Socket = scope[SOCKET]
         reader = _Reader(asyncio.current_task())
         task = asyncio.get_running_loop().create_task(reader.read(receive))
+        self.gate.on_drain.add(reader.drain)
         try:
             for number in range(1, 1 << 62):
+                if self.gate.draining:
+                    break
                 message = await reader.inbox.get()
                 if reader.gone:
                     return  # nobody to answer what is still queued
+                if message is _DRAIN:
+                    break
                 if await self._serve_one(scope, send, reader, socket, number, _text_of(message)):
                     return
+            # the gateway is shutting down: the answer under way was finished, the socket ends
+            await send({"type": "websocket.close", "code": 1001, "reason": "the gateway is shutting down"})
         finally:
+            self.gate.on_drain.discard(reader.drain)
             task.cancel()
 
     async def _serve_one(self, scope, send, reader: _Reader, socket: Socket, number: int, body: bytes) -> bool:
@@ -72,6 +82,11 @@ class WebSocketApp:
         except asyncio.CancelledError as exc:
             failure = exc
             if not reader.gone:
+                if self.gate.draining:  # the drain time ran out: say so, as a stream's error event does
+                    stopped = {"message": _STOPPED, "type": "server_error", "param": None, "code": "shutting_down"}
+                    with contextlib.suppress(Exception):
+                        await send({"type": "websocket.send", "text": ws_error(503, stopped)})
+                        await send({"type": "websocket.close", "code": 1001, "reason": "the gateway is shutting down"})
                 raise
             asyncio.current_task().uncancel()
             delivery.gone = True
@@ -95,6 +110,12 @@ class _Reader:
         self.inbox: asyncio.Queue[dict] = asyncio.Queue(_WS_QUEUE)
         self.busy = False
         self.gone = False
+
+    def drain(self) -> None:
+        """The gateway is shutting down: end the socket once the answer under way is done
+        (an idle socket at once)."""
+        with contextlib.suppress(asyncio.QueueFull):
+            self.inbox.put_nowait(_DRAIN)
 
     async def read(self, receive) -> None:
         while True:

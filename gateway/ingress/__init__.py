@@ -30,9 +30,11 @@ from gateway.ingress.h2 import H2ServerProtocol
 from gateway.ingress.h3 import H3Listener, TicketStore, serve_http3
 from gateway.ingress.http1 import H1Protocol
 from gateway.ingress.server import AltSvcApp, Server, tls_context
+from gateway.ingress.websocket import DrainingWebSocketProtocol
 
 __all__ = [
     "AltSvcApp",
+    "DrainingWebSocketProtocol",
     "H1Protocol",
     "H2ServerProtocol",
     "H3Listener",

@@ -102,7 +102,7 @@ class Gateway:
             yield "edgegw_diagnosis", "The target's bottleneck diagnosis (1 for its current verdict).", {"target": target["name"], "verdict": verdict}, 1.0
 
     async def aclose(self) -> None:
-        self.gate.draining = True
+        self.gate.drain()
         await self.slos.aclose()
         if self.tracing is not None:
             await asyncio.to_thread(self.tracing.shutdown)

@@ -26,6 +26,7 @@ from cache import CacheConfig
 from gateway.node.app import create_app
 from gateway.ingress import Server
 from gateway.ingress.http1 import H1Protocol
+from gateway.ingress.websocket import DrainingWebSocketProtocol
 from gateway.node.siblings import Node
 from gateway.observe import redact_logs
 from gateway.core.settings import ConfigError, Settings, load_settings, quickstart_settings
@@ -226,7 +227,7 @@ def uvicorn_config(settings: Settings, app, **overrides) -> uvicorn.Config:
         workers=None,
         loop="auto",
         http=H1Protocol.with_limits(settings.limits),  # uvicorn's httptools + header limits and timeout
-        ws="auto",
+        ws=DrainingWebSocketProtocol,  # uvicorn's, but an open socket drains like a stream
         lifespan="on",
         log_level=listen.log_level,
         access_log=False,
@@ -286,5 +287,5 @@ class _DrainingServer(Server):
                     gateway.gate.in_flight,
                     self.config.timeout_graceful_shutdown,
                 )
-            gateway.gate.draining = True
+            gateway.gate.drain()
         super().handle_exit(sig, frame)

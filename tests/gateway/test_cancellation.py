@@ -13,6 +13,7 @@ import httpx
 import orjson
 import psutil
 import pytest
+from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect as ws_connect
 
 from tests.conftest import cluster
@@ -211,6 +212,62 @@ def test_a_stream_cut_by_the_drain_timeout_ends_with_an_error_event_and_done(ups
     assert b'"code":"shutting_down"' in body and body.endswith(b"data: [DONE]\n\n")
     assert gw.proc.wait(20) == 0
     assert wait_for(fake.requests[-1].disconnected.is_set, 5)  # and the upstream request cancelled
+
+
+def websocket_in_background(gw, result: dict, requests: int = 1) -> threading.Thread:
+    """``requests`` chat requests on one WebSocket, in a thread; every message received and
+    how the socket closed go into ``result``."""
+
+    def run() -> None:
+        messages: list[dict] = []
+        with ws_connect(gw.url.replace("http", "ws") + "/v1/ws", open_timeout=10) as ws:
+            try:
+                for _ in range(requests):
+                    ws.send(orjson.dumps(CHAT).decode())
+                    while True:
+                        message = orjson.loads(ws.recv(timeout=30))
+                        messages.append(message)
+                        if message.get("type") in ("done", "error"):
+                            break
+                ws.recv(timeout=30)  # the server closes it
+            except ConnectionClosed as closed:
+                result["close"] = closed.rcvd.code if closed.rcvd is not None else None
+        result["messages"] = messages
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def test_sigterm_drains_a_websocket_answer_then_closes_it(upstreams, gateway_processes):
+    """A WebSocket answer under way at SIGTERM is finished, like a stream, and the socket is
+    then closed with 1001 (going away): not cut with 1012 in the middle."""
+    fake = upstreams(tokens=40, delay=0.05)
+    gw = gateway_processes({"clusters": [cluster(fake)], "limits": {"drain_timeout_s": 20}})
+    result: dict = {}
+    thread = websocket_in_background(gw, result)
+    assert wait_for(lambda: fake.requests and fake.requests[-1].chunks_sent >= 2)
+    gw.proc.send_signal(signal.SIGTERM)
+    thread.join(30)
+    messages = result["messages"]
+    assert messages[-1] == {"type": "done"}
+    assert sum(1 for m in messages if "choices" in m and m["choices"] and m["choices"][0]["delta"].get("content")) == 40
+    assert result["close"] == 1001
+    assert gw.proc.wait(20) == 0
+
+
+def test_a_websocket_answer_cut_by_the_drain_timeout_says_so(upstreams, gateway_processes):
+    fake = upstreams(tokens=200, delay=0.05)  # 10 s of tokens
+    gw = gateway_processes({"clusters": [cluster(fake)], "limits": {"drain_timeout_s": 1}})
+    result: dict = {}
+    thread = websocket_in_background(gw, result)
+    assert wait_for(lambda: fake.requests and fake.requests[-1].chunks_sent >= 2)
+    gw.proc.send_signal(signal.SIGTERM)
+    thread.join(30)
+    last = result["messages"][-1]
+    assert last["type"] == "error" and last["error"]["code"] == "shutting_down"
+    assert result["close"] == 1001
+    assert gw.proc.wait(20) == 0
 
 
 # -- every way a reply can end leaves nothing behind ---------------------------------------
