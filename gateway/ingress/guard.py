@@ -17,10 +17,10 @@ or HTTP/3 header list, as ``http1.py`` applies them to HTTP/1.1 heads).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-import orjson
-
+from gateway.core.errors import error_body as openai_error_body
 from gateway.core.settings import LimitSettings
 
 __all__ = [
@@ -87,8 +87,8 @@ class FloodGuard:
 
 
 def error_body(status: int, code: str, message: str) -> bytes:
-    type_ = "server_error" if status >= 500 else "invalid_request_error"
-    return orjson.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}})
+    """The OpenAI-shaped body of a listener's own refusal (``gateway.core.errors.error_body``)."""
+    return openai_error_body(message, "server_error" if status >= 500 else "invalid_request_error", None, code)
 
 
 def refusal(status: int, code: str, message: str, headers: list[tuple[bytes, bytes]] = ()):
@@ -110,7 +110,7 @@ def refusal(status: int, code: str, message: str, headers: list[tuple[bytes, byt
 
 
 def too_many_connections(limits: LimitSettings):
-    retry_after = b"%d" % max(1, round(limits.retry_after_s))
+    retry_after = b"%d" % max(1, math.ceil(limits.retry_after_s))
     return refusal(
         503,
         "too_many_connections",
