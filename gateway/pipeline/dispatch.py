@@ -110,7 +110,7 @@ class Dispatcher:
                 ) from None
             raise ModelNotFound(f"the model '{parsed.model}' does not exist or is not served here", param="model") from None
         except NoRoute as exc:
-            if fleet.edge is not None and self._only_the_edge_serves(parsed.model):
+            if fleet.edge is not None and not parsed.passthrough and self._only_the_edge_serves(parsed.model):
                 # a request the engine can never serve (prompt or max_tokens past the context)
                 # is the client's error, not a capacity problem to retry: the engine names
                 # the parameter (400)
