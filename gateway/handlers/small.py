@@ -60,6 +60,8 @@ class ModelsApp:
         wanted = scope.get("path_params", {}).get("model")
         if wanted is None:
             await _send_json(send, 200, {"object": "list", "data": list(models.values())}, headers)
+        elif not wanted:  # "/v1/models/": no model named, no route (never a redirect)
+            await send_error(send, ModelNotFound("no route for GET /v1/models/", code="not_found"), headers)
         elif wanted in models:
             await _send_json(send, 200, models[wanted], headers)
         else:
