@@ -152,8 +152,8 @@ class LimitSettings(_Model):
 class EndpointCompat(_Model):
     """What an endpoint's server understands of the OpenAI API, where servers differ."""
 
-    # the chat output cap sent as: both (max_tokens and max_completion_tokens, the same value:
-    # vLLM, SGLang and llama.cpp read one or the other), max_tokens (servers that know only it),
+    # the chat output cap sent as: both (a max_completion_tokens is sent as max_tokens too, the same
+    # value: vLLM and SGLang read either, llama.cpp only max_tokens), max_tokens (servers that know only it),
     # max_completion_tokens (OpenAI's reasoning models refuse max_tokens), as_sent (unchanged)
     max_tokens_field: Literal["both", "max_tokens", "max_completion_tokens", "as_sent"] = "both"
 

@@ -413,8 +413,8 @@ def compat_fields(parsed: ParsedRequest, compat: EndpointCompat) -> ParsedReques
     cap = new if new is not None else old
     if cap is None:
         return parsed
-    if field == "both":
-        return parsed if new == old else parsed.with_fields(max_tokens=cap, max_completion_tokens=cap)
+    if field == "both":  # a max_tokens alone is what every server reads: its bytes are kept
+        return parsed if new is None or new == old else parsed.with_fields(max_tokens=new)
     other = "max_completion_tokens" if field == "max_tokens" else "max_tokens"
     if data.get(field) == cap and other not in data:
         return parsed

@@ -132,6 +132,7 @@ def test_max_completion_tokens_is_the_engines_cap(edge_gw):
     "compat, sent, expected",
     [
         pytest.param({}, {"max_completion_tokens": 5}, {"max_tokens": 5, "max_completion_tokens": 5}, id="default-both"),
+        pytest.param({}, {"max_tokens": 7}, {"max_tokens": 7}, id="default-max-tokens-alone-as-sent"),
         pytest.param({"max_tokens_field": "max_tokens"}, {"max_completion_tokens": 5}, {"max_tokens": 5}, id="max-tokens-only"),
         pytest.param({"max_tokens_field": "max_completion_tokens"}, {"max_tokens": 7}, {"max_completion_tokens": 7}, id="reasoning-models"),
         pytest.param({"max_tokens_field": "as_sent"}, {"max_completion_tokens": 5}, {"max_completion_tokens": 5}, id="as-sent"),
