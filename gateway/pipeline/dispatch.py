@@ -139,6 +139,7 @@ class Dispatcher:
             or not parsed.stream
             or opened.reply.status >= 400
             or opened.target == hedge_target
+            or opened.model_fallback  # a hedge would race another model's answer
         ):
             return opened
 
