@@ -7,6 +7,7 @@ with ``fetch`` and reading ``Server-Timing``.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -176,8 +177,6 @@ class PageServer:
 
 
 def run_page(driver, gw_url: str) -> dict:
-    import json
-
     with PageServer(PAGE_HTML.replace("GATEWAY", json.dumps(gw_url))):
         driver.get(PAGE + "/")
         WebDriverWait(driver, 30).until(lambda d: d.find_element("id", "out").text != "waiting")
