@@ -22,8 +22,8 @@ class CacheConfig(BaseModel):
     max_entry_bytes: int = Field(default=4 * MiB, gt=0)
     # seconds an entry lives when its route has no TTL of its own
     default_ttl: float = Field(default=300.0, ge=0)
-    # per-route TTL in seconds ("chat", "completion"); 0 disables caching for that route
-    route_ttl: dict[Literal["chat", "completion"], float] = Field(default_factory=dict)
+    # per-route TTL in seconds ("chat", "completion", "embeddings"); 0 disables caching for that route
+    route_ttl: dict[Literal["chat", "completion", "embeddings"], float] = Field(default_factory=dict)
     # whether a request without `temperature` is greedy on the models behind this gateway
     # (OpenAI, vLLM and the edge engine default to temperature 1: not greedy)
     default_greedy: bool = False

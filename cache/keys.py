@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 
 SCHEMA_VERSION = "v1"
-KINDS = ("chat", "completion")
+KINDS = ("chat", "completion", "embeddings")
 
 # Top-level request fields that do not change the response content.
 IGNORED_FIELDS = frozenset(

@@ -139,13 +139,17 @@ def _finished_ok(finished: dict[int, Any], indices: set[int]) -> bool:
 
 
 def is_complete_body(body: bytes) -> bool:
-    """A JSON completion response that may be stored: no error, every choice finished."""
+    """A JSON completion response that may be stored: no error, every choice finished (or
+    an embeddings list: a vector per input)."""
     try:
         doc = orjson.loads(body)
     except orjson.JSONDecodeError:
         return False
     if not isinstance(doc, dict) or "error" in doc:
         return False
+    if doc.get("object") == "list":  # embeddings: a vector per input, nothing to finish
+        data = doc.get("data")
+        return isinstance(data, list) and bool(data) and all(isinstance(d, dict) and "embedding" in d for d in data)
     choices = doc.get("choices")
     finished: dict[int, Any] = {}
     if not choices or not _choices_complete(choices, finished):

@@ -200,6 +200,39 @@ def _messages(messages: Any) -> None:
         name = message.get("name")
         if name is not None and not isinstance(name, str):
             raise _bad(f"{param}.name must be a string", f"{param}.name", "invalid_type")
+        tool_calls = message.get("tool_calls")
+        if tool_calls is not None:
+            if role != "assistant":
+                raise _bad(f"{param}.tool_calls is only allowed on assistant messages", f"{param}.tool_calls")
+            _tool_calls(tool_calls, f"{param}.tool_calls")
+        if role == "tool":
+            call_id = message.get("tool_call_id")
+            if call_id is None:
+                raise _bad(f"{param}.tool_call_id is required for the tool role", f"{param}.tool_call_id", "missing_required_parameter")
+            if not isinstance(call_id, str) or not call_id:
+                raise _bad(f"{param}.tool_call_id must be a non-empty string", f"{param}.tool_call_id", "invalid_type")
+
+
+def _tool_calls(calls: Any, param: str) -> None:
+    """An assistant message's ``tool_calls``: a list of ``{"id", "type": "function",
+    "function": {"name", "arguments"}}`` (arguments a string, as OpenAI sends them back)."""
+    if not isinstance(calls, list):
+        raise _bad(f"{param} must be an array of tool calls", param, "invalid_type")
+    for k, call in enumerate(calls):
+        where = f"{param}.[{k}]"
+        if not isinstance(call, dict):
+            raise _bad(f"{where} must be an object", where, "invalid_type")
+        if not isinstance(call.get("id"), str) or not call["id"]:
+            raise _bad(f"{where}.id must be a non-empty string", f"{where}.id", "invalid_type")
+        if call.get("type", "function") != "function":
+            raise _bad(f"{where}.type must be 'function', got {call.get('type')!r}", f"{where}.type")
+        function = call.get("function")
+        if not isinstance(function, dict):
+            raise _bad(f"{where}.function must be an object", f"{where}.function", "invalid_type")
+        if not isinstance(function.get("name"), str) or not function["name"]:
+            raise _bad(f"{where}.function.name must be a non-empty string", f"{where}.function.name", "invalid_type")
+        if not isinstance(function.get("arguments"), str):
+            raise _bad(f"{where}.function.arguments must be a string (JSON text)", f"{where}.function.arguments", "invalid_type")
 
 
 def _prompt(prompt: Any) -> None:
@@ -208,8 +241,22 @@ def _prompt(prompt: Any) -> None:
     if isinstance(prompt, str):
         return
     if isinstance(prompt, list) and prompt:
-        if all(isinstance(p, str) for p in prompt) or all(_is_int(t) for t in prompt):
+        if all(isinstance(p, str) for p in prompt):
+            return
+        if all(_is_int(t) for t in prompt):
+            _token_ids(prompt, "prompt")
             return
         if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt):
+            for i, ids in enumerate(prompt):
+                _token_ids(ids, f"prompt.[{i}]")
             return
     raise _bad("prompt must be a string, an array of strings, or an array of token ids", "prompt", "invalid_type")
+
+
+MAX_TOKEN_ID = 2**31 - 1  # no vocabulary is larger; the server that knows its own checks the rest
+
+
+def _token_ids(ids: list[int], param: str) -> None:
+    for j, token in enumerate(ids):
+        if token < 0 or token > MAX_TOKEN_ID:
+            raise _bad(f"{param}.[{j}] is not a token id (got {token}): token ids are integers from 0", param)

@@ -9,7 +9,7 @@ or dropped before its first token still gets its own status code.  The request h
 ``x-latency-budget-ms`` sets the request's deadline (a request not started within it gets
 504 ``deadline_exceeded``).  A client that leaves while its request waits for its first token
 (or, non-streaming, for its whole answer) has its sequence dropped at once, as one that leaves
-mid-stream does.  ``x-request-id`` (a gateway's) becomes the response's ``id``.  Asked with
+mid-stream does.  ``x-request-id`` (a gateway's) becomes the response's ``id``, after ``chatcmpl-`` or ``cmpl-`` unless it starts so.  Asked with
 ``x-engine-stages: 1``, where the answer's time went inside the engine comes with it: the
 header ``x-engine-stages: queue=S;prefill=S;decode=S`` (seconds) on a whole answer, the
 comment ``: x-engine-stages queue=S;...`` just before a stream's ``data: [DONE]``.  With ``x-validate-only: 1`` a completion request is only checked: 204 if the
@@ -130,7 +130,8 @@ def create_app(engine: Engine, model_name: str | None = None) -> _StatsFirst:
                 return _error_response(exc)
             if request.headers.get(VALIDATE_HEADER) == "1":
                 return Response(status_code=204)
-            request_id = request.headers.get("x-request-id") or f"{prefix}{uuid.uuid4().hex[:24]}{next(counter)}"
+            given = request.headers.get("x-request-id")  # a gateway's: the answer's id keeps OpenAI's prefix
+            request_id = (given if given.startswith(prefix) else prefix + given) if given else f"{prefix}{uuid.uuid4().hex[:24]}{next(counter)}"
             wants_stages = request.headers.get(STAGES_HEADER) == "1"
             if not prepared.stream:
                 try:

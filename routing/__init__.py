@@ -27,9 +27,9 @@ from .config import (
     RegionConfig,
     RoutingConfig,
 )
-from .errors import InvalidTransition, NoRoute, RoutingError, TableError, UnknownModel
+from .errors import InvalidTransition, NoRoute, RoutingError, TableError, UnknownModel, Unservable
 from .explain import describe, explain
-from .features import budget_of, estimate_prompt_tokens, mean_logprob, request_from_openai
+from .features import budget_of, estimate_prompt_tokens, mean_logprob, request_from_openai, structured_field
 from .geo import DBIP_ATTRIBUTION, GeoLocator, TrustedProxies, client_address, haversine_km
 from .health import BreakerState, HealthState, RetryBudget
 from .policy import cascade_verdict, decide, locate_client
@@ -78,6 +78,7 @@ __all__ = [
     "TargetKind",
     "TrustedProxies",
     "UnknownModel",
+    "Unservable",
     "budget_of",
     "cascade_verdict",
     "client_address",
@@ -96,4 +97,5 @@ __all__ = [
     "read_load",
     "rendezvous_order",
     "request_from_openai",
+    "structured_field",
 ]

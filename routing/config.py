@@ -126,6 +126,9 @@ class RoutingConfig(_Model):
     local_region: str | None = None  # region this gateway runs in (None: default region)
     regions: list[RegionConfig] = []  # empty: one implicit local region with every cluster
     aliases: dict[str, str] = {AUTO: AUTO}  # model name → `auto`, `edge` or a model name
+    # model → the models tried, in order, when every target of it fails before its first
+    # byte (an error, a timeout) or refuses the prompt as too long (context_length_exceeded)
+    fallbacks: dict[str, list[str]] = {}
     policy: PolicyConfig = PolicyConfig()  # edge-or-escalate thresholds
     balancer: BalancerConfig = BalancerConfig()  # endpoint choice inside a cluster
     health: HealthConfig = HealthConfig()  # probes, ejection, circuit breakers, retry budget

@@ -4,7 +4,9 @@ Hierarchy::
 
     RoutingError            base class; never raised itself
     ├── NoRoute             no target can serve this request now (gateway: 503/404)
-    │   └── UnknownModel    the requested model (after aliases) is served nowhere (404)
+    │   ├── UnknownModel    the requested model (after aliases) is served nowhere (404)
+    │   └── Unservable      no target can honour what the request asks (structured
+    │                       output, an API the edge lacks): 400 when the model was named, else 503
     ├── TableError          the routing config and the clusters do not fit (startup)
     └── InvalidTransition   a circuit-breaker transition outside its table (a bug)
 
@@ -14,7 +16,7 @@ imports the gateway.
 
 from __future__ import annotations
 
-__all__ = ["InvalidTransition", "NoRoute", "RoutingError", "TableError", "UnknownModel"]
+__all__ = ["InvalidTransition", "NoRoute", "RoutingError", "TableError", "UnknownModel", "Unservable"]
 
 
 class RoutingError(Exception):
@@ -39,6 +41,17 @@ class UnknownModel(NoRoute):
     def __init__(self, model: str) -> None:
         super().__init__(f"model {model!r} is not served by this gateway")
         self.model = model
+
+
+class Unservable(NoRoute):
+    """No target can honour what the request asks: structured output (``param`` names the
+    field) or an API the edge engine does not serve. ``explicit``: the client named a model
+    that cannot (the client's error, 400); else nothing that could is available (503)."""
+
+    def __init__(self, message: str, *, param: str | None, explicit: bool) -> None:
+        super().__init__(message)
+        self.param = param
+        self.explicit = explicit
 
 
 class TableError(RoutingError, ValueError):

@@ -74,6 +74,9 @@ def describe(d: RouteDecision) -> str:
         lines += [f"  {i}. {_target(t)}" for i, t in enumerate(d.fallbacks, 1)]
     else:
         lines.append("fallbacks:  none")
+    if d.model_fallbacks:
+        lines.append("model fallbacks (routing.fallbacks):")
+        lines += [f"  {i}. {_target(t)}" for i, t in enumerate(d.model_fallbacks, 1)]
     lines.append(f"budget:     {d.budget_ms:.0f} ms")
     if d.hedge_target is not None and d.hedge_after_ms is not None:
         lines.append(f"hedge:      {d.hedge_target.label()} after {d.hedge_after_ms:.0f} ms without a first token")

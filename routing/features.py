@@ -19,7 +19,9 @@ from .geo import _header
 from .prefix import prompt_blocks, prompt_text
 from .types import Location, RouteRequest
 
-__all__ = ["BUDGET_HEADER", "affinity_key", "budget_of", "estimate_prompt_tokens", "mean_logprob", "request_from_openai"]
+__all__ = [
+    "BUDGET_HEADER", "affinity_key", "budget_of", "estimate_prompt_tokens", "mean_logprob", "request_from_openai", "structured_field",
+]
 
 BUDGET_HEADER = "x-latency-budget-ms"
 
@@ -55,6 +57,18 @@ def estimate_prompt_tokens(body: Mapping[str, Any], chars_per_token: float = 4.0
                 c, a = _content_chars(m.get("content"))
                 chars += c + 4 * chars_per_token  # role + template overhead ≈ 4 tokens
                 attached = attached or a
+    for name in ("input", "system", "instructions"):  # embeddings, responses, messages (Anthropic)
+        value = body.get(name)
+        if isinstance(value, str):
+            chars += len(value)
+        elif isinstance(value, list):
+            for item in value:
+                if isinstance(item, str):
+                    chars += len(item)
+                elif isinstance(item, dict):
+                    c, a = _content_chars(item.get("content", item.get("text")))
+                    chars += c
+                    attached = attached or a
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         chars += len(prompt)
@@ -94,6 +108,22 @@ def affinity_key(
     return None, None
 
 
+def structured_field(body: Mapping[str, Any]) -> str | None:
+    """The first field of ``body`` that asks for structured output, or None: ``tools`` (or the
+    older ``functions``) unless ``tool_choice`` is ``"none"``, a ``tool_choice`` naming a
+    tool or ``"required"``, a ``response_format`` of ``json_object`` or ``json_schema``."""
+    choice = body.get("tool_choice")
+    if body.get("tools") or body.get("functions"):
+        if choice != "none":
+            return "tools" if body.get("tools") else "functions"
+    if isinstance(choice, dict) or choice == "required":
+        return "tool_choice"
+    fmt = body.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
+        return "response_format"
+    return None
+
+
 def budget_of(headers: Mapping[str, str], tenant_budget_ms: float | None = None, max_ms: float | None = None) -> float | None:
     """A request's TTFT budget in milliseconds: its ``x-latency-budget-ms`` header when that
     is a positive finite number (at most ``max_ms``), else ``tenant_budget_ms``, else None."""
@@ -116,8 +146,10 @@ def request_from_openai(
     client_ip: str | None = None,
     location: Location | None = None,
     budget_ms: float | None = None,
+    api: str = "chat",
 ) -> RouteRequest:
-    """Build the ``RouteRequest`` for a ``/v1/chat/completions`` or ``/v1/completions`` body.
+    """Build the ``RouteRequest`` for a ``/v1/chat/completions`` or ``/v1/completions`` body
+    (or, with ``api``, another API's JSON body: ``embeddings``, ``responses``...).
 
     ``budget_ms``: the request's TTFT budget as its caller decided it (``budget_of`` reads
     the header; the gateway's ``Deadline`` holds it); ``None``: the policy's default applies.
@@ -138,6 +170,8 @@ def request_from_openai(
         max_tokens=max_tokens,
         has_tools=bool(tools),
         has_attachments=attached,
+        structured=structured_field(body),
+        api=api,
         stream=bool(body.get("stream")),
         budget_ms=budget_ms,
         affinity_key=key,

@@ -49,7 +49,7 @@ from typing import Any
 
 from .balancer import SHARED_RNG, pick_available, predicted_ttft_s, rendezvous_weight
 from .config import AUTO, EDGE
-from .errors import NoRoute
+from .errors import NoRoute, Unservable
 from .features import mean_logprob
 from .geo import GeoLocator, client_address
 from .health import EndpointHealth, HealthState
@@ -60,6 +60,7 @@ __all__ = ["cascade_verdict", "decide", "locate_client"]
 
 _ENDPOINT = TargetKind.ENDPOINT
 _EDGE = TargetKind.EDGE
+EDGE_APIS = frozenset({"chat", "completion"})  # what the edge engine serves
 
 
 def _distances(table: RoutingTable, request: RouteRequest, home: str) -> dict[str, float]:
@@ -229,6 +230,16 @@ def _central_targets(
     return targets, affinity
 
 
+def _edge_cannot(edge: EdgeStats | None, request: RouteRequest) -> str:
+    """Why the edge engine can never honour ``request`` (its API, the structure it asks
+    for), or "" when it can."""
+    if request.api not in EDGE_APIS:
+        return f"the edge engine serves chat and completions, not {request.api}"
+    if request.structured is not None and not (edge is not None and edge.structured_output):
+        return f"{request.structured} needs structured output, which the edge engine does not support"
+    return ""
+
+
 def _edge_assessment(
     table: RoutingTable, edge: EdgeStats | None, request: RouteRequest, budget_ms: float
 ) -> tuple[bool, bool, float, str]:
@@ -236,6 +247,9 @@ def _edge_assessment(
     pol = table.config.policy
     if not table.has_edge:
         return False, False, math.inf, "no edge engine here"
+    cannot = _edge_cannot(edge, request)
+    if cannot:
+        return False, False, math.inf, cannot
     if edge is None:
         return True, True, pol.edge_prior_ttft_ms, ""
     if not edge.healthy:
@@ -312,6 +326,8 @@ def _decide(
         elif central:
             target, fallbacks = central[0], central[1:]
             reasons.insert(0, f"{route.model}: edge unusable ({why}), served centrally")
+        elif _edge_cannot(edge, request) and not table.clusters_for(route.model):
+            raise Unservable(f"the model {route.model!r} cannot serve this request: {why}", param=request.structured, explicit=True)
         else:
             raise NoRoute(f"edge model {route.model!r} unavailable: {why}")
     elif route.kind != AUTO:
@@ -386,12 +402,20 @@ def _decide(
                 target, fallbacks = panicked[0], panicked[1:]
             else:
                 eps = [e for c in table.clusters_for(route.model) for e in c.endpoints]
+                cannot = _edge_cannot(edge, request) if table.has_edge else ""
+                if cannot and (table.central_model is None or not eps):
+                    raise Unservable(f"auto: no central cluster here, and {cannot}", param=request.structured, explicit=False)
+                if cannot:
+                    raise Unservable(
+                        f"auto: no healthy central endpoint, and {cannot}", param=request.structured, explicit=False
+                    )
                 raise NoRoute(
                     "auto: no healthy central endpoint and no usable edge engine",
                     retry_after_s=health.retry_after_s(eps, now),
                 )
 
     fallbacks = fallbacks[: pol.max_fallbacks]
+    model_fallbacks = _model_fallbacks(table, health, request, target, edge, budget, home, now, rng, reasons)
     hedge_after = hedge_target = None
     hcfg = cfg.hedging
     if hcfg.enabled and fallbacks:
@@ -404,6 +428,7 @@ def _decide(
     return RouteDecision(
         target=target,
         fallbacks=tuple(fallbacks),
+        model_fallbacks=tuple(model_fallbacks),
         reasons=tuple(reasons),
         model=target.model,
         requested_model=request.model,
@@ -418,6 +443,49 @@ def _decide(
         affinity=affinity,
         prefix_blocks=request.prefix_blocks,
     )
+
+
+def _model_fallbacks(
+    table: RoutingTable,
+    health: HealthState,
+    request: RouteRequest,
+    target: Target,
+    edge: EdgeStats | None,
+    budget: float,
+    home: str,
+    now: float,
+    rng: random.Random | None,
+    reasons: list[str],
+) -> list[Target]:
+    """The best target of each model ``routing.fallbacks`` lists for the decision's model
+    (by its resolved name, else the name asked), in order: tried when every target of the
+    model itself failed before its first byte, or refused the prompt as too long. A model
+    served nowhere now, or an edge that cannot honour the request, is skipped."""
+    listed = table.config.fallbacks.get(target.model) or table.config.fallbacks.get(request.model)
+    if not listed:
+        return []
+    out: list[Target] = []
+    skipped: list[str] = []
+    for model in listed:
+        if model == target.model:
+            continue
+        if model == table.edge_model:
+            _, usable, pred, why = _edge_assessment(table, edge, request, budget)
+            if usable:
+                out.append(Target(_EDGE, model, table.local_region, predicted_ttft_ms=pred))
+            else:
+                skipped.append(f"{model} ({why})")
+            continue
+        central, _ = _central_targets(table, health, model, request, home, now, rng, [])
+        if central:
+            out.append(central[0])
+        else:
+            skipped.append(f"{model} (no available endpoint)" if table.clusters_for(model) else f"{model} (served nowhere)")
+    if out:
+        reasons.append("model fallbacks " + ",".join(t.model for t in out))
+    if skipped:
+        reasons.append("fallback skipped: " + ", ".join(skipped))
+    return out
 
 
 def locate_client(

@@ -77,6 +77,9 @@ class EdgeStats:
     recent_ttft_ms: float | None = None  # recent time to first token
     recent_tpot_ms: float | None = None  # recent time per output token
     healthy: bool = True  # False while the engine is loading, draining or broken
+    # the engine honours tools, tool_choice and response_format (constrained decoding);
+    # without it a request asking for structure never goes to the edge
+    structured_output: bool = False
 
 
 class TargetKind(str, enum.Enum):
@@ -135,6 +138,12 @@ class RouteRequest:
     max_tokens: int | None = None
     has_tools: bool = False
     has_attachments: bool = False
+    # the first field asking for structured output (``tools``, ``tool_choice``,
+    # ``response_format``...): only a target that honours it may serve the request
+    structured: str | None = None
+    # the API: ``chat`` and ``completion`` are the edge engine's; any other (``embeddings``,
+    # ``responses``, a pass-through path) goes to the clusters serving the model
+    api: str = "chat"
     stream: bool = False
     budget_ms: float | None = None
     affinity_key: bytes | None = None
@@ -171,6 +180,9 @@ class RouteDecision:
 
     target: Target
     fallbacks: tuple[Target, ...] = ()
+    # other models' targets (``routing.fallbacks``), tried after ``fallbacks`` when every one
+    # failed before its first byte or refused the prompt as too long for its context
+    model_fallbacks: tuple[Target, ...] = ()
     reasons: tuple[str, ...] = ()
     model: str = ""
     requested_model: str = ""
@@ -209,6 +221,8 @@ class RouteDecision:
             parts.append(f"cascade<{self.cascade_threshold:g}")
         if self.fallbacks:
             parts.append("fallbacks=" + ",".join(f.label() for f in self.fallbacks))
+        if self.model_fallbacks:
+            parts.append("model-fallbacks=" + ",".join(f"{f.model}@{f.label()}" for f in self.model_fallbacks))
         if self.reasons:
             parts.append("why=" + " | ".join(self.reasons))
         line = _ascii_line("; ".join(parts))
@@ -226,6 +240,7 @@ class RouteDecision:
             "model": self.model,
             "target": self.target.to_dict(),
             "fallbacks": [f.to_dict() for f in self.fallbacks],
+            "model_fallbacks": [f.to_dict() for f in self.model_fallbacks],
             "budget_ms": self.budget_ms,
             "degraded": self.degraded,
             "hedge_after_ms": self.hedge_after_ms,

@@ -55,7 +55,7 @@ from gateway.core.errors import (
     UnsupportedMediaType,
     send_error,
 )
-from gateway.core.openai import LARGE, ParsedRequest, parse_request
+from gateway.core.openai import LARGE, PASSTHROUGH, ParsedRequest, api_of_path, parse_request
 from gateway.core.settings import Settings
 from gateway.core.tenant import Tenant
 from gateway.core.timeouts import Watch, watchdog
@@ -153,10 +153,11 @@ class Gate:
         self.in_flight += 1
         self.metrics.in_flight.inc()
         ctx.held = Held.GATEWAY
+        where = {"path": ctx.path, "content_type": ctx.headers.get("content-type")} if kind == PASSTHROUGH else {}
         if len(ctx.body) > LARGE:  # parsing and checking grow with the body: not on the event loop
-            parsed = ctx.parsed = await asyncio.to_thread(parse_request, kind, ctx.body)
+            parsed = ctx.parsed = await asyncio.to_thread(parse_request, kind, ctx.body, **where)
         else:
-            parsed = ctx.parsed = parse_request(kind, ctx.body)
+            parsed = ctx.parsed = parse_request(kind, ctx.body, **where)
         ctx.model = parsed.model
         tenant = ctx.tenant
         tenant.check_model(parsed.model)
@@ -227,7 +228,7 @@ def _estimate_tokens(parsed: ParsedRequest, settings: Settings) -> tuple[int, in
 class AdmissionApp:
     """ASGI middleware admitting HTTP requests and WebSockets to ``app`` (see the module
     docstring). ``api``: the metrics' label; ``kind``: the API a request body is for (None:
-    each WebSocket message says)."""
+    each WebSocket message says; ``PASSTHROUGH``: the path says, and names the label)."""
 
     def __init__(self, app, gate: Gate, api: str, kind: str | None) -> None:
         self.app = app
@@ -241,13 +242,14 @@ class AdmissionApp:
             return
         gate = self.gate
         limits = gate.settings.limits
-        ctx = gate.begin(scope, request_id_of(scope["headers"]), self.api)
+        api = api_of_path(scope["path"]) if self.kind == PASSTHROUGH else self.api
+        ctx = gate.begin(scope, request_id_of(scope["headers"]), api)
         delivery = ctx.delivery
         watcher = None
         try:
             gate.check_open()
             ctx.tenant = gate.tenants.identify(ctx.raw_headers)
-            _check_content_type(ctx)
+            _check_content_type(ctx, self.kind == PASSTHROUGH)
             ctx.body = await read_body(scope, receive, limits.max_body_bytes, limits.body_timeout_s)
             await gate.admit(ctx, self.kind)
             ctx.timing.mark("admit")
@@ -299,10 +301,14 @@ class AdmissionApp:
         await self.app(scope, receive, send)
 
 
-def _check_content_type(ctx: RequestContext) -> None:
-    """A body the gateway reads as JSON must say so (or say nothing)."""
+def _check_content_type(ctx: RequestContext, form: bool = False) -> None:
+    """A body the gateway reads as JSON must say so (or say nothing); a pass-through API's
+    may be a form (``form``: audio uploads)."""
     value = ctx.headers.get("content-type")
-    if value is not None and value.split(";", 1)[0].strip().lower() not in ("application/json", ""):
+    media = "" if value is None else value.split(";", 1)[0].strip().lower()
+    if form and media == "multipart/form-data":
+        return
+    if value is not None and media not in ("application/json", ""):
         raise UnsupportedMediaType(f"the request body must be JSON (Content-Type: application/json), not {value[:100]!r}")
 
 

@@ -102,12 +102,13 @@ class RequestContext:
 
     __slots__ = (
         "request_id", "api", "timing", "arrival", "wall_start", "raw_headers", "headers", "peer", "tenant", "deadline",
-        "forward", "body", "parsed", "model", "send_timeout", "held", "charge", "served", "delivery", "trace",
+        "forward", "body", "parsed", "model", "send_timeout", "held", "charge", "served", "delivery", "trace", "path",
     )
 
     def __init__(self, scope: dict, request_id: bytes, api: str) -> None:
         self.request_id = request_id
-        self.api = api  # "chat" | "completions" | "ws": the metrics' label
+        self.api = api  # "chat" | "completions" | "ws" | a pass-through API ("embeddings"...): the metrics' label
+        self.path: str = scope.get("path", "")
         self.timing = Timing()
         self.arrival = time.monotonic()  # deadlines count from here
         self.wall_start = time.time_ns()  # spans start here

@@ -53,6 +53,9 @@ __all__ = [
     "ObjectiveSettings",
     "SLOSettings",
     "TracingSettings",
+    "CORSSettings",
+    "EndpointCompat",
+    "PASSTHROUGH_PATHS",
     "Settings",
     "load_settings",
     "quickstart_settings",
@@ -146,6 +149,15 @@ class LimitSettings(_Model):
     max_frames_per_turn: int = Field(64, ge=1)  # HTTP/2 frames of one connection handled per event-loop turn before the other connections' turn
 
 
+class EndpointCompat(_Model):
+    """What an endpoint's server understands of the OpenAI API, where servers differ."""
+
+    # the chat output cap sent as: both (a max_completion_tokens is sent as max_tokens too, the same
+    # value: vLLM and SGLang read either, llama.cpp only max_tokens), max_tokens (servers that know only it),
+    # max_completion_tokens (OpenAI's reasoning models refuse max_tokens), as_sent (unchanged)
+    max_tokens_field: Literal["both", "max_tokens", "max_completion_tokens", "as_sent"] = "both"
+
+
 class EndpointSettings(_Model):
     url: str  # base URL of an OpenAI-compatible server: http://10.0.0.5:8000/v1, https://host/openai/v1 (bare origin: /v1)
     protocol: Literal["http1", "http2", "http3"] = "http1"  # http2: h2c on http://, ALPN on https://; http3: QUIC (https:// only)
@@ -175,6 +187,7 @@ class EndpointSettings(_Model):
     # fetches (vllm, sglang, llamacpp; anything else is not polled), none = never polled
     load_source: Literal["auto", "vllm", "sglang", "llamacpp", "none"] = "auto"
     metrics_path: str = "/metrics"  # the server's Prometheus text, on its origin
+    compat: EndpointCompat = EndpointCompat()  # how requests are adapted to what this server understands
 
     @model_validator(mode="before")
     @classmethod
@@ -463,6 +476,44 @@ class ForwardHeaderSettings(_Model):
     deny: tuple[str, ...] = ()  # never these names
 
 
+# the OpenAI rate-limit headers and the gateway's own, which a page on another origin may read
+EXPOSED_HEADERS = (
+    "server-timing", "x-request-id", "x-edgegw-route", "x-cache", "age", "retry-after",
+    "x-ratelimit-limit-requests", "x-ratelimit-remaining-requests", "x-ratelimit-reset-requests",
+    "x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens", "x-edgegw-cache-original-id",
+)
+
+
+class CORSSettings(_Model):
+    """Cross-origin requests from browsers (``gateway.admission.cors``). Off unless
+    ``allow_origins`` names an origin: a page on another origin gets no CORS headers."""
+
+    allow_origins: tuple[str, ...] = ()  # origins allowed ("https://app.example.com"; "*": any); empty: CORS off
+    allow_methods: tuple[str, ...] = ("GET", "POST", "OPTIONS")  # methods a preflight may ask for
+    allow_headers: tuple[str, ...] = ("*",)  # request headers a page may send; "*": whatever its preflight asks (the SDKs' x-stainless-*)
+    expose_headers: tuple[str, ...] = EXPOSED_HEADERS  # response headers a page may read
+    allow_credentials: bool = False  # let pages send cookies or HTTP auth (the origin is then echoed, never "*")
+    max_age: int = Field(600, ge=0)  # seconds a browser may cache a preflight's answer
+
+    @field_validator("allow_origins")
+    @classmethod
+    def _origins(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for origin in value:
+            if origin != "*" and (urlsplit(origin).scheme not in ("http", "https") or urlsplit(origin).path not in ("", "/")):
+                raise ValueError(f"not an origin: {origin!r} (scheme://host[:port], or *)")
+        return tuple(o.rstrip("/") for o in value)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.allow_origins)
+
+
+# the pass-through APIs forwarded by model to the clusters serving it (a trailing * : every path below)
+PASSTHROUGH_PATHS = (
+    "/v1/embeddings", "/v1/responses", "/v1/messages", "/v1/moderations", "/v1/rerank", "/v1/audio/*", "/v1/images/*",
+)
+
+
 class Settings(_Model):
     listen: ListenSettings = ListenSettings()  # where the gateway serves
     limits: LimitSettings = LimitSettings()  # body sizes, buffers, timeouts, retries
@@ -477,6 +528,16 @@ class Settings(_Model):
     tracing: TracingSettings = Field(default_factory=TracingSettings)  # OpenTelemetry traces (the tracing extra)
     cache: CacheConfig = CacheConfig()  # exact-response cache (cache/config.py)
     routing: RoutingConfig = RoutingConfig()  # regions, geo, balancing, health, policy (routing/config.py)
+    cors: CORSSettings = CORSSettings()  # cross-origin requests from browsers (off unless allow_origins is set)
+    passthrough: tuple[str, ...] = ()  # more POST paths forwarded by model, besides PASSTHROUGH_PATHS ("/v1/score", "/v1/x/*")
+
+    @field_validator("passthrough")
+    @classmethod
+    def _passthrough_paths(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for path in value:
+            if not path.startswith("/v1/") or "*" in path[:-1] or path in ("/v1/chat/completions", "/v1/completions"):
+                raise ValueError(f"{path!r}: a pass-through path starts with /v1/ (the part after it is appended to each endpoint's base URL), may end in *, and is not a completions path")
+        return value
 
     @model_validator(mode="after")
     def _unique_cluster_names(self) -> Settings:

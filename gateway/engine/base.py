@@ -40,7 +40,13 @@ class EdgeEngine(Protocol):
         ``deadline_exceeded``)."""
 
     def stats(self) -> EdgeStats:
-        """What routing needs to know about it."""
+        """What routing needs to know about it, ``structured_output`` included."""
+
+    @property
+    def structured_output(self) -> bool:
+        """The engine honours ``tools``, ``tool_choice`` and ``response_format`` (constrained
+        decoding). False unless the engine's ``stats()`` says ``structured_output: true``:
+        until then routing sends a request asking for structure elsewhere, or refuses it."""
 
     def snapshot(self) -> dict | None:
         """Its ``stats()`` as a dict (the dashboard's engine panel); None when unknown."""
@@ -69,6 +75,7 @@ def edge_stats(stats: dict | None, healthy: bool) -> EdgeStats:
         recent_ttft_ms=s.get("ttft_ms_p50"),
         recent_tpot_ms=s.get("tpot_ms_p50"),
         healthy=healthy,
+        structured_output=s.get("structured_output") is True,  # the engine says so, or it has none
     )
 
 

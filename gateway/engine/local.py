@@ -63,6 +63,10 @@ class EdgeBackend:
     def stats(self) -> EdgeStats:
         return edge_stats(self.engine.stats().as_dict(), self.engine.is_running)
 
+    @property
+    def structured_output(self) -> bool:
+        return self.stats().structured_output
+
     def snapshot(self) -> dict:
         return self.engine.stats().as_dict()
 

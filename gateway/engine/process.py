@@ -121,6 +121,10 @@ class EdgeClient:
     def stats(self) -> EdgeStats:
         return edge_stats(self._stats, self.is_running)
 
+    @property
+    def structured_output(self) -> bool:
+        return self.stats().structured_output
+
     def snapshot(self) -> dict | None:
         """The engine's last ``stats()`` as a dict (the dashboard's engine panel)."""
         return self._stats

@@ -6,7 +6,9 @@ from __future__ import annotations
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway.admission import request_id_of
+from gateway.admission import Tenants, request_id_of
+from gateway.core.errors import GatewayError, ModelNotFound, send_error
+from gateway.core.tenant import Tenant
 from gateway.observe import Metrics
 from gateway.observe.node_metrics import WORKER_SCOPE, SiblingExpositions, node_families
 from gateway.pipeline import Fleet
@@ -29,12 +31,42 @@ async def _send_json(send, status: int, payload: object, headers: list[tuple[byt
 
 
 class ModelsApp:
-    def __init__(self, fleet: Fleet) -> None:
+    """``GET /v1/models`` and ``GET /v1/models/{id}``: what the caller's key may ask for (the
+    aliases such as ``auto``, the edge model, every cluster's models), behind the same keys
+    as the completions (401 by ``auth.mode``); a model it may not use is not there (404)."""
+
+    def __init__(self, fleet: Fleet, tenants: Tenants) -> None:
         self.fleet = fleet
+        self.tenants = tenants
+
+    def catalogue(self, tenant: Tenant) -> dict[str, dict]:
+        models: dict[str, dict] = {}
+        table = self.fleet.table
+        served = set(table.models()) if table is not None else set()
+        aliases = [a for a in table.config.aliases if a in served] if table is not None else []
+        for model, owner in [*((a, "edgegw") for a in aliases), *self.fleet.models()]:
+            if model not in models and (not tenant.policy.models or model in tenant.policy.models):
+                models[model] = {"id": model, "object": "model", "created": 0, "owned_by": owner}
+        return models
 
     async def __call__(self, scope, receive, send) -> None:
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": c} for m, c in self.fleet.models()]
-        await _send_json(send, 200, {"object": "list", "data": data}, [(b"x-request-id", request_id_of(scope["headers"]))])
+        headers = [(b"x-request-id", request_id_of(scope["headers"]))]
+        try:
+            tenant = self.tenants.identify(scope["headers"])
+        except GatewayError as exc:
+            await send_error(send, exc, headers)
+            return
+        models = self.catalogue(tenant)
+        wanted = scope.get("path_params", {}).get("model")
+        if wanted is None:
+            await _send_json(send, 200, {"object": "list", "data": list(models.values())}, headers)
+        elif not wanted:  # "/v1/models/": no model named, no route (never a redirect)
+            await send_error(send, ModelNotFound("no route for GET /v1/models/", code="not_found"), headers)
+        elif wanted in models:
+            await _send_json(send, 200, models[wanted], headers)
+        else:
+            error = ModelNotFound(f"The model '{wanted}' does not exist or you do not have access to it.", param="model")
+            await send_error(send, error, headers)
 
 
 class HealthzApp:

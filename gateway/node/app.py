@@ -27,10 +27,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route, WebSocketRoute
 
-from gateway.admission import AdmissionApp, Gate
+from gateway.admission import AdmissionApp, CORSMiddleware, Gate
 from gateway.core.errors import error_body
-from gateway.core.openai import CHAT, COMPLETION
-from gateway.core.settings import Settings
+from gateway.core.openai import CHAT, COMPLETION, PASSTHROUGH
+from gateway.core.settings import PASSTHROUGH_PATHS, Settings
 from gateway.handlers import CompletionsApp, HealthzApp, JSONApp, MetricsApp, ModelsApp, ReadyzApp, WebSocketApp
 from gateway.node.siblings import Node, Siblings
 from gateway.observe import Diagnosis, Metrics, Observer, SLOs
@@ -114,16 +114,36 @@ class Gateway:
 
 
 class GatewayApp:
-    def __init__(self, gateway: Gateway, app: Starlette, completions: dict[str, AdmissionApp]) -> None:
+    """``completions``: POST paths answered straight by their admitted handler (the pass-through
+    ones' exact paths included); ``prefixes``: (path prefix, handler) for the pass-through
+    paths ending in ``*``. With ``cors`` configured, ``CORSMiddleware`` is in front of it all."""
+
+    def __init__(
+        self,
+        gateway: Gateway,
+        app: Starlette,
+        completions: dict[str, AdmissionApp],
+        prefixes: tuple[tuple[str, AdmissionApp], ...] = (),
+    ) -> None:
         self.gateway = gateway
         self.app = app
         self._completions = completions
+        self._prefixes = prefixes
+        cors = gateway.settings.cors
+        self._entry = CORSMiddleware(self._route, cors) if cors.enabled else self._route
 
     async def __call__(self, scope, receive, send) -> None:
+        await self._entry(scope, receive, send)
+
+    async def _route(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
-            endpoint = self._completions.get(scope["path"])
+            path = scope["path"]
+            endpoint = self._completions.get(path)
             if endpoint is not None:
                 return await endpoint(scope, receive, send)
+            for prefix, endpoint in self._prefixes:
+                if path.startswith(prefix) and len(path) > len(prefix):
+                    return await endpoint(scope, receive, send)
         await self.app(scope, receive, send)
 
 
@@ -148,7 +168,8 @@ def create_app(settings: Settings, *, metrics: Metrics | None = None, node: Node
     }
     routes = [
         *(Route(path, app, methods=["POST"]) for path, app in completions.items()),
-        Route("/v1/models", ModelsApp(gateway.fleet), methods=["GET"]),
+        Route("/v1/models", models := ModelsApp(gateway.fleet, gate.tenants), methods=["GET"]),
+        Route("/v1/models/{model:path}", models, methods=["GET"]),
         Route("/healthz", HealthzApp(), methods=["GET"]),
         Route("/readyz", ReadyzApp(gateway), methods=["GET"]),
         Route("/metrics", MetricsApp(gateway.metrics, gateway.siblings), methods=["GET"]),
@@ -161,7 +182,12 @@ def create_app(settings: Settings, *, metrics: Metrics | None = None, node: Node
     # Starlette answers "/v1/models/" with a redirect built from the client's Host header
     # (Host: evil.example -> http://evil.example/v1/models): a 404 here, never a redirect
     app.router.redirect_slashes = False
-    return GatewayApp(gateway, app, completions)
+    # the other OpenAI APIs, forwarded by model with the same admission, limits and accounting
+    passthrough = AdmissionApp(CompletionsApp(pipeline, gateway.metrics), gate, "passthrough", PASSTHROUGH)
+    paths = dict.fromkeys((*PASSTHROUGH_PATHS, *settings.passthrough))
+    exact = {path: passthrough for path in paths if not path.endswith("*") and path not in completions}
+    prefixes = tuple((path[:-1], passthrough) for path in paths if path.endswith("*"))
+    return GatewayApp(gateway, app, {**completions, **exact}, prefixes)
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:

@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Mapping
 
+import orjson
 from prometheus_client import CollectorRegistry
 
 import cache
@@ -21,9 +22,39 @@ from gateway.core.openai import ParsedRequest
 from gateway.core.sse import sse_payloads
 from gateway.replies import FollowerReply, ReplayReply
 
-__all__ = ["BYPASS", "HIT", "MISS", "CacheLayer", "Lookup", "Recorder"]
+__all__ = ["BYPASS", "CACHED_APIS", "HIT", "MISS", "CacheLayer", "Lookup", "Recorder", "fresh_ids"]
 
 logger = logging.getLogger("edgegw.cache")
+
+CACHED_APIS = frozenset({"embeddings"})  # the pass-through APIs whose answers are deterministic
+
+
+def fresh_ids(payloads: list[bytes], request_id: bytes) -> tuple[list[bytes], bytes | None]:
+    """``payloads`` (a body, or a stream's chunks) with the stored ``id`` replaced by one
+    made from this request's id (same prefix: ``chatcmpl-``, ``cmpl-``) and ``created`` by
+    now; and the stored id (None when the answer has none, as embeddings have not)."""
+    original: str | None = None
+    new_id: str | None = None
+    now = int(time.time())
+    out = []
+    for payload in payloads:
+        try:
+            doc = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            out.append(payload)
+            continue
+        if not isinstance(doc, dict) or not isinstance(doc.get("id"), str):
+            out.append(payload)
+            continue
+        if new_id is None:
+            original = doc["id"]
+            prefix, dash, _ = original.partition("-")
+            new_id = (prefix + "-" if dash else "") + request_id.decode("ascii", "replace")
+        doc["id"] = new_id
+        if "created" in doc:
+            doc["created"] = now
+        out.append(orjson.dumps(doc))
+    return out, None if original is None else original.encode("ascii", "replace")
 
 HIT, MISS, BYPASS = b"HIT", b"MISS", b"BYPASS"
 
@@ -64,7 +95,13 @@ class CacheLayer:
 
     def plan(self, parsed: ParsedRequest, tenant: str, headers: Mapping[str, str]) -> Lookup:
         directives = cache.parse_cache_control(headers.get("cache-control"))
-        plan = cache.plan(parsed.data, directives, self.config.ttl_for(parsed.kind), self.config.default_greedy)
+        if parsed.passthrough and parsed.kind not in CACHED_APIS:
+            plan = cache.Plan(False, False, None, 0.0, "api", directives.only_if_cached)
+            self.metrics.bypass(plan.reason)
+            return Lookup(plan, None, None)
+        # embeddings are deterministic: no sampling to make an answer differ
+        greedy = self.config.default_greedy or parsed.kind == "embeddings"
+        plan = cache.plan(parsed.data, directives, self.config.ttl_for(parsed.kind), greedy)
         if not plan.lookup and not plan.store:
             self.metrics.bypass(plan.reason)
             return Lookup(plan, None, None)
@@ -75,10 +112,14 @@ class CacheLayer:
     async def get(self, lookup: Lookup) -> Entry | None:
         return await self.backend.get(lookup.key, max_age=lookup.plan.max_age)
 
-    def replay(self, entry: Entry, parsed: ParsedRequest) -> ReplayReply:
+    def replay(self, entry: Entry, parsed: ParsedRequest, request_id: bytes) -> tuple[ReplayReply, bytes | None]:
+        """The hit as a reply, with an ``id`` and ``created`` of its own (a client may key on
+        them; two answers never share one), and the stored answer's ``id``."""
         if parsed.stream:
-            return ReplayReply(None, as_chunks(entry, parsed.include_usage))
-        return ReplayReply(as_json(entry), None)
+            chunks, original = fresh_ids(as_chunks(entry, parsed.include_usage), request_id)
+            return ReplayReply(None, chunks), original
+        body, original = fresh_ids([as_json(entry)], request_id)
+        return ReplayReply(body[0], None), original
 
     async def join(self, key: str) -> Flight | None:
         if self.flights is None:

@@ -20,6 +20,8 @@ import asyncio
 import functools
 import random
 import time
+
+import orjson
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -27,19 +29,21 @@ from gateway.core.context import RequestContext
 from gateway.core.deadline import Deadline
 from gateway.core.errors import (
     GatewayError,
+    InvalidRequest,
     ModelNotFound,
     NoHealthyUpstream,
     Overloaded,
     PoolTimeout,
     RateLimited,
     UpstreamConnectError,
+    UpstreamTimeout,
 )
 from gateway.core.openai import ParsedRequest
 from gateway.observe import Metrics
 from gateway.pipeline.fleet import Fleet
 from gateway.pipeline.queue import QueueDeadline
-from gateway.replies import HedgedReply, Reply
-from routing import NoRoute, RouteDecision, Target, UnknownModel, decide, locate_client, request_from_openai
+from gateway.replies import HedgedReply, ReplayReply, Reply
+from routing import NoRoute, RouteDecision, Target, UnknownModel, Unservable, decide, locate_client, request_from_openai
 from routing.config import AUTO, EDGE
 
 __all__ = ["Dispatcher", "Opened"]
@@ -58,6 +62,7 @@ class Opened:
     hedged: bool = False  # the reply is a ``HedgedReply`` (a hedge may start if the first event is late)
     queued: float = 0.0  # seconds it waited in the gateway's queue for its target
     note: str = ""  # for the route header: why the decision's target was passed over
+    model_fallback: bool = False  # another model serves it (routing.fallbacks): its answer is not the asked model's
 
 
 class Dispatcher:
@@ -81,7 +86,7 @@ class Dispatcher:
         ip, location = locate_client(table, fleet.geo, peer, headers)
         features = functools.partial(
             request_from_openai,
-            parsed.data, headers, fleet.routing, client_ip=ip, location=location, budget_ms=budget_ms,
+            parsed.data, headers, fleet.routing, client_ip=ip, location=location, budget_ms=budget_ms, api=parsed.kind,
         )
         # the affinity key hashes the leading messages: on a thread when they are large
         request = await asyncio.to_thread(features) if parsed.large else features()
@@ -91,6 +96,10 @@ class Dispatcher:
             if decision.prefix_blocks and decision.target.endpoint is not None:
                 fleet.health.record_routed(decision.target.endpoint, decision.prefix_blocks, now)
             return decision
+        except Unservable as exc:
+            if exc.explicit:
+                raise InvalidRequest(str(exc), param=exc.param or "model", code="unsupported_by_model") from None
+            raise NoHealthyUpstream(str(exc), code="no_capable_target", retry_after=self.settings.limits.retry_after_s) from None
         except UnknownModel:
             fleet.discover_soon()  # a server may have gained it since the last look
             if fleet.undiscovered(parsed.model):
@@ -101,7 +110,7 @@ class Dispatcher:
                 ) from None
             raise ModelNotFound(f"the model '{parsed.model}' does not exist or is not served here", param="model") from None
         except NoRoute as exc:
-            if fleet.edge is not None and self._only_the_edge_serves(parsed.model):
+            if fleet.edge is not None and not parsed.passthrough and self._only_the_edge_serves(parsed.model):
                 # a request the engine can never serve (prompt or max_tokens past the context)
                 # is the client's error, not a capacity problem to retry: the engine names
                 # the parameter (400)
@@ -121,8 +130,8 @@ class Dispatcher:
         the request's budget; a stream is hedged if the decision says so."""
         deadline = ctx.deadline = ctx.deadline.guide(decision.budget_ms)
         targets, note = self._admissible(decision, ctx, deadline)
-        opened = await self._open_with_fallbacks(targets, parsed, ctx, deadline)
-        opened.note = note
+        opened = await self._open_with_fallbacks(targets, decision.model_fallbacks, parsed, ctx, deadline)
+        opened.note = "; ".join(n for n in (note, opened.note) if n)
         hedge_target = decision.hedge_target
         if (
             decision.hedge_after_ms is None
@@ -130,6 +139,7 @@ class Dispatcher:
             or not parsed.stream
             or opened.reply.status >= 400
             or opened.target == hedge_target
+            or opened.model_fallback  # a hedge would race another model's answer
         ):
             return opened
 
@@ -212,13 +222,28 @@ class Dispatcher:
         return reply
 
     async def _open_with_fallbacks(
-        self, targets: tuple[Target, ...], parsed: ParsedRequest, ctx: RequestContext, deadline: Deadline
+        self,
+        targets: tuple[Target, ...],
+        model_fallbacks: tuple[Target, ...],
+        parsed: ParsedRequest,
+        ctx: RequestContext,
+        deadline: Deadline,
     ) -> Opened:
-        attempts = targets[: self.settings.limits.max_attempts]
+        """The first of ``targets`` (at most ``limits.max_attempts``) that opens well, then
+        the other models' (``model_fallbacks``): a connect error, a pool timeout, a refused
+        engine, a timeout or a 5xx before the first byte moves on (within the retry budget);
+        a prompt too long for a model's context (``context_length_exceeded``) moves on to
+        the next model, passing over the same model's other targets."""
+        attempts = targets[: self.settings.limits.max_attempts] + model_fallbacks
         health = self.fleet.health
         last_error: GatewayError | None = None
         kinds: set[type] = set()  # how the attempts failed
+        too_long: set[str] = set()  # models whose context the prompt does not fit
+        failed: list[str] = []  # "model (why)" of the attempts that did not open, for the route header
         for attempt, target in enumerate(attempts, 1):
+            if target.model in too_long:
+                continue
+            later = attempts[attempt:]
             if attempt > 1:
                 if not health.try_retry(time.monotonic()):
                     break
@@ -227,14 +252,33 @@ class Dispatcher:
                 reply = await self.open_one(target, parsed, ctx, deadline)
             except QueueDeadline:
                 raise  # the budget is spent: another target cannot start it in time either
-            except _RETRYABLE as exc:
+            except _RETRYABLE + (UpstreamTimeout,) as exc:  # not DeadlineExceeded: the request's own budget is spent
                 last_error = exc
                 kinds.add(type(exc))
+                failed.append(f"{target.label()} ({exc.code})")
                 continue
-            if reply.status >= 500 and attempt < len(attempts):
+            except InvalidRequest as exc:  # the edge engine refused it
+                if exc.code != CONTEXT_LENGTH or not any(t.model != target.model for t in later):
+                    raise
+                too_long.add(target.model)
+                failed.append(f"{target.label()} ({CONTEXT_LENGTH})")
+                continue
+            if reply.status >= 500 and later:
+                failed.append(f"{target.label()} (HTTP {reply.status})")
                 await reply.aclose()
                 continue
-            return Opened(reply, target, attempt, queued=reply.slot.waited if reply.slot is not None else 0.0)
+            if reply.status == 400 and any(t.model != target.model for t in later):
+                reply, exceeded = await _context_exceeded(reply, self.settings.limits.max_response_bytes)
+                if exceeded:
+                    too_long.add(target.model)
+                    failed.append(f"{target.label()} ({CONTEXT_LENGTH})")
+                    await reply.aclose()
+                    continue
+            opened = Opened(reply, target, attempt, queued=reply.slot.waited if reply.slot is not None else 0.0)
+            if target in model_fallbacks and target not in targets:
+                opened.model_fallback = True
+                opened.note = f"model-fallback={target.model} after " + ", ".join(failed)
+            return opened
         message = f"no endpoint for model '{parsed.model}' could be reached"
         retry_after = self.settings.limits.retry_after_s
         if last_error is not None:
@@ -242,4 +286,30 @@ class Dispatcher:
             retry_after = last_error.retry_after or retry_after
             if kinds == {PoolTimeout}:  # no connection came free anywhere: this side's limit, say so
                 raise PoolTimeout(message, retry_after=retry_after)
+            if kinds and all(issubclass(k, UpstreamTimeout) for k in kinds):
+                raise type(last_error)(message)  # 504: every target was silent
         raise NoHealthyUpstream(message, retry_after=retry_after)
+
+
+CONTEXT_LENGTH = "context_length_exceeded"
+
+
+async def _context_exceeded(reply: Reply, limit: int) -> tuple[Reply, bool]:
+    """Whether an upstream's 400 says the prompt does not fit the model's context (OpenAI's
+    and vLLM's ``code``, llama.cpp's and others' message), and the reply to answer with if
+    not (its body already read: a ``ReplayReply`` of the same status and headers)."""
+    body = await reply.read_body()
+    try:
+        error = orjson.loads(body).get("error")
+    except (orjson.JSONDecodeError, AttributeError):
+        error = None
+    text = body.decode("utf-8", "replace").lower()
+    exceeded = (isinstance(error, dict) and error.get("code") == CONTEXT_LENGTH) or any(
+        words in text for words in (CONTEXT_LENGTH, "maximum context length", "exceeds the context", "context window", "context size")
+    )
+    if exceeded:
+        return reply, True
+    kept = ReplayReply(body, None, label=reply.label)
+    kept.status, kept.headers, kept.protocol, kept.pool_wait = reply.status, reply.headers, reply.protocol, reply.pool_wait
+    await reply.aclose()
+    return kept, False

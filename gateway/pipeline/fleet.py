@@ -27,8 +27,8 @@ import orjson
 from gateway.core.context import RequestContext
 from gateway.core.deadline import Deadline
 from gateway.core.errors import DeadlineExceeded, GatewayError, NoHealthyUpstream, PoolTimeout, UpstreamConnectError
-from gateway.core.openai import ParsedRequest
-from gateway.core.settings import ClusterSettings, Settings
+from gateway.core.openai import CHAT, ParsedRequest
+from gateway.core.settings import ClusterSettings, EndpointCompat, Settings
 from gateway.engine import EdgeClient, EdgeEngine
 from gateway.observe import GaugeSample, Metrics
 from gateway.pipeline.queue import TargetQueue
@@ -368,10 +368,11 @@ class Fleet:
                 raise NoHealthyUpstream("no edge engine in this gateway", retry_after=limits.retry_after_s)
             if self.tracing is not None:
                 self.tracing.client(ctx, "edge", "edge", [])
-            return await self.edge.reply(
-                parsed.kind, parsed.data, ctx.request_id.decode(), limits.keepalive_interval_s, ctx.tenant.rank, deadline
-            )
+            # the answer's id in OpenAI's form (chatcmpl-..., cmpl-...), the request id inside it
+            answer_id = ("chatcmpl-" if parsed.kind == CHAT else "cmpl-") + ctx.request_id.decode()
+            return await self.edge.reply(parsed.kind, parsed.data, answer_id, limits.keepalive_interval_s, ctx.tenant.rank, deadline)
         upstream = self.upstreams[target.endpoint]
+        parsed = compat_fields(parsed, upstream.settings.compat)
         forward = [*_request_id(upstream.settings.request_id, ctx), *ctx.forward]
         budget = deadline.header(now)
         if budget is not None:
@@ -383,7 +384,10 @@ class Fleet:
         feed.sent(upstream.url, sent_at)
         try:
             body = await parsed.encoded()
-            response = await upstream.request(parsed.kind, forward, body, deadline.left(now))
+            if parsed.passthrough:
+                response = await upstream.forward(parsed.path, parsed.content_type, forward, body, deadline.left(now))
+            else:
+                response = await upstream.request(parsed.kind, forward, body, deadline.left(now))
         except BaseException as exc:
             feed.not_opened(upstream.url, exc, sent_at, time.monotonic())
             raise
@@ -394,6 +398,29 @@ class Fleet:
         if response.status >= 500:
             reply.answered_error()
         return reply
+
+
+def compat_fields(parsed: ParsedRequest, compat: EndpointCompat) -> ParsedRequest:
+    """The chat request as the endpoint understands it (``endpoints[].compat``): the output
+    cap under the name(s) it reads. Current SDKs send ``max_completion_tokens``; llama.cpp's
+    server reads only ``max_tokens`` (and ignores the other), OpenAI's reasoning models
+    refuse ``max_tokens``. The client's body is kept when nothing changes."""
+    field = compat.max_tokens_field
+    if field == "as_sent" or parsed.kind != CHAT:
+        return parsed
+    data = parsed.data
+    new, old = data.get("max_completion_tokens"), data.get("max_tokens")
+    cap = new if new is not None else old
+    if cap is None:
+        return parsed
+    if field == "both":  # a max_tokens alone is what every server reads: its bytes are kept
+        return parsed if new is None or new == old else parsed.with_fields(max_tokens=new)
+    other = "max_completion_tokens" if field == "max_tokens" else "max_tokens"
+    if data.get(field) == cap and other not in data:
+        return parsed
+    fields = {k: v for k, v in data.items() if k != other}
+    fields[field] = cap
+    return ParsedRequest(parsed.kind, fields, None, parsed.size, parsed.path)
 
 
 def _request_id(policy: str, ctx: RequestContext) -> list[tuple[bytes, bytes]]:

@@ -51,7 +51,7 @@ class Pipeline:
                 entry = await layer.get(lookup)
                 if entry is not None:
                     timing.mark("cache", "hit")
-                    answer.reply = layer.replay(entry, parsed)
+                    answer.reply, answer.original_id = layer.replay(entry, parsed, ctx.request_id)
                     answer.x_cache = HIT
                     answer.target_kind = "cache"
                     answer.age = int(entry.age(time.time()))
@@ -77,7 +77,7 @@ class Pipeline:
         timing.mark("route")
         sent = parsed
         fields = dict(lookup.fields) if lookup is not None and lookup.fields else {}
-        if ctx.wants_usage:
+        if ctx.wants_usage and not parsed.passthrough:  # another API's stream has no stream_options
             fields.update(usage_fields(parsed.data) or {})  # the tenant's tokens are settled with it
         if fields:
             answer.hide_usage = "stream_options" in fields
@@ -106,7 +106,8 @@ class Pipeline:
                 answer.target_kind = "endpoint"  # escalated
             route += note
         answer.route = route
-        if lookup is not None and lookup.plan.store:
+        # another model's answer (routing.fallbacks) is not the asked model's: never stored as it
+        if lookup is not None and lookup.plan.store and not opened.model_fallback:
             answer.recorder = Recorder(layer, lookup, answer.flight, parsed.kind)
         return answer
 

@@ -137,6 +137,7 @@ class Answer:
 
     __slots__ = (
         "reply", "x_cache", "age", "route", "recorder", "flight", "ttft", "failed_mid_stream", "hide_usage", "target_kind",
+        "original_id",
     )
 
     def __init__(self) -> None:
@@ -150,6 +151,7 @@ class Answer:
         self.failed_mid_stream: GatewayError | None = None
         self.hide_usage = False  # the usage chunk was asked for on the client's behalf
         self.target_kind = "none"  # what serves it: edge | endpoint | cache
+        self.original_id: bytes | None = None  # a cache hit: the stored answer's id (the replay has its own)
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         headers = [(b"x-edgegw-route", self.route)]
@@ -157,6 +159,8 @@ class Answer:
             headers.append((b"x-cache", self.x_cache))
         if self.age is not None:
             headers.append((b"age", str(self.age).encode()))
+        if self.original_id is not None:
+            headers.append((b"x-edgegw-cache-original-id", self.original_id))
         return headers
 
     def route_of_failure(self, exc: GatewayError) -> bytes:

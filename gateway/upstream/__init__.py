@@ -89,6 +89,14 @@ class Upstream:
         response headers must come within ``head_within`` seconds (default: the read timeout)."""
         return await self.pool.request(b"POST", self.base + _API_PATHS[kind], self.headers + headers, body, head_within)
 
+    async def forward(
+        self, path: bytes, content_type: bytes | None, headers: list[tuple[bytes, bytes]], body: bytes, head_within: float | None = None
+    ) -> UpstreamResponse:
+        """POST a pass-through API's ``body`` to ``<base><path>`` (``/embeddings``,
+        ``/audio/transcriptions``...): JSON, or a form with its own ``content_type``."""
+        own = self.headers if content_type is None else [(b"content-type", content_type), *self.headers[1:]]
+        return await self.pool.request(b"POST", self.base + path, own + headers, body, head_within)
+
     async def aclose(self) -> None:
         await self.client.aclose()  # closes the control pool through the transport
         await self.pool.aclose()

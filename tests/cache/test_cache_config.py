@@ -36,7 +36,7 @@ def test_route_ttls() -> None:
     config = CacheConfig(default_ttl=60, route_ttl={"completion": 10, "chat": 0})
     assert config.ttl_for("completion") == 10 and config.ttl_for("chat") == 0
     with pytest.raises(pydantic.ValidationError):
-        CacheConfig(route_ttl={"embeddings": 10})
+        CacheConfig(route_ttl={"images": 10})
     with pytest.raises(pydantic.ValidationError):
         CacheConfig(route_ttl={"chat": -1})
 

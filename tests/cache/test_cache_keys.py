@@ -86,7 +86,7 @@ def test_route_kind_is_part_of_the_key() -> None:
     body = {"model": "m1", "prompt": "hi", "temperature": 0}
     assert make_key("t", "chat", body) != make_key("t", "completion", body)
     with pytest.raises(ValueError):
-        make_key("t", "embeddings", body)
+        make_key("t", "images", body)
 
 
 def test_canonical_body_is_sorted_compact_json() -> None:

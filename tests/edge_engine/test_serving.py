@@ -122,6 +122,10 @@ async def test_server_speaks_openai_sse(tiny_engine, monkeypatch):
         assert all(e.startswith("data: {") for e in events[:-1])
         r = await client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "temperature": 0})
         assert r.status_code == 200 and r.json()["object"] == "text_completion"
+        assert r.json()["id"].startswith("cmpl-")
+        for given, expected in (("req-7", "chatcmpl-req-7"), ("chatcmpl-req-8", "chatcmpl-req-8")):  # a gateway's id, OpenAI's form
+            r = await client.post("/v1/chat/completions", json=CHAT, headers={"x-request-id": given})
+            assert r.json()["id"] == expected
         stats = await client.get("/stats")  # what a node's workers poll for routing
         assert stats.headers["content-type"] == "application/json"
         assert stats.json() == dataclasses.asdict(tiny_engine.stats())

@@ -48,7 +48,7 @@ def test_quick_start_fronts_an_upstream_and_lists_its_models(upstreams, tmp_path
     fake.app.models[:] = ["m-one", "m-two"]
     gw = GatewayProcess(None, tmp_path, ["--upstream", fake.url]).start()
     try:
-        assert [m["id"] for m in httpx.get(gw.url + "/v1/models").json()["data"]] == ["m-one", "m-two"]
+        assert [m["id"] for m in httpx.get(gw.url + "/v1/models").json()["data"]] == ["auto", "m-one", "m-two"]
         response = httpx.post(
             gw.url + "/v1/chat/completions", json={"model": "m-two", "messages": [{"role": "user", "content": "hi"}]}
         )

@@ -19,7 +19,7 @@ CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
 def test_an_endpoint_url_is_a_base_url_like_openai_clients_take(upstreams, gateways, suffix):
     fake = upstreams()
     gw = gateways({"clusters": [{"name": "c", "endpoints": [{"url": fake.url + suffix}]}]})
-    assert [m["id"] for m in httpx.get(gw.url + "/v1/models").json()["data"]] == ["fake-model"]
+    assert [m["id"] for m in httpx.get(gw.url + "/v1/models").json()["data"]] == ["auto", "fake-model"]  # the alias, then the served models
     assert httpx.post(gw.url + "/v1/completions", json={"model": "fake-model", "prompt": "hi"}).status_code == 200
     assert httpx.post(gw.url + "/v1/chat/completions", json=CHAT).status_code == 200
     assert [r.path for r in fake.requests] == ["/v1/completions", "/v1/chat/completions"]
@@ -38,7 +38,7 @@ def test_the_quick_start_takes_a_v1_base_url(upstreams, tmp_path):
     fake = upstreams()
     gw = GatewayProcess(None, tmp_path, ["--upstream", fake.url + "/v1"]).start()
     try:
-        assert [m["id"] for m in httpx.get(gw.url + "/v1/models").json()["data"]] == ["fake-model"]
+        assert [m["id"] for m in httpx.get(gw.url + "/v1/models").json()["data"]] == ["auto", "fake-model"]  # the alias, then the served models
         assert httpx.post(gw.url + "/v1/chat/completions", json=CHAT).status_code == 200
         assert fake.requests[-1].path == "/v1/chat/completions"
     finally:

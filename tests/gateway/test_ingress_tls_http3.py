@@ -111,7 +111,7 @@ async def test_errors_and_small_endpoints_over_ingress(upstreams, ingress_gatewa
     pool = client_pool(kind, listener_port(gw, kind), certificate[0])
     try:
         status, _, body = await fetch(pool, "/v1/models", b"")
-        assert status == 200 and [m["id"] for m in orjson.loads(body)["data"]] == ["fake-model"]
+        assert status == 200 and [m["id"] for m in orjson.loads(body)["data"]] == ["auto", "fake-model"]
         status, _, body = await fetch(pool, "/v1/chat/completions", orjson.dumps({**CHAT, "model": "nope"}))
         assert status == 404 and orjson.loads(body)["error"]["code"] == "model_not_found"
         status, _, body = await fetch(pool, "/v1/chat/completions", b"{broken")

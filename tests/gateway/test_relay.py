@@ -90,7 +90,7 @@ def test_openai_client(setup):
     assert text == "".join(f"tok{i} " for i in range(8))
     assert chunks[-1].usage.total_tokens == 13
     models = client.models.list()
-    assert [m.id for m in models.data] == ["fake-model"]
+    assert [m.id for m in models.data] == ["auto", "fake-model"]
 
 
 def test_error_event_after_first_byte(setup):
@@ -211,7 +211,7 @@ def test_models_discovered_when_not_configured(upstreams, gateways):
     fake = upstreams()
     fake.app.models[:] = ["alpha", "beta"]
     gw = gateways({"clusters": [{"name": "found", "endpoints": [{"url": fake.url}]}]})
-    assert [m["id"] for m in httpx.get(gw.url + "/v1/models").json()["data"]] == ["alpha", "beta"]
+    assert [m["id"] for m in httpx.get(gw.url + "/v1/models").json()["data"]] == ["auto", "alpha", "beta"]
     assert httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "model": "beta"}).status_code == 200
 
 

@@ -209,7 +209,7 @@ def test_two_workers_share_one_engine_process_and_a_client_gone_aborts_its_seque
             assert answer.status_code == 200 and answer.json()["model"] == "tiny", answer.text
     wait_for(lambda: gauge(gw.url, "edgegw_edge_finished") == 4, 5)  # the engine's stats reach a worker every 50 ms
     asked = httpx.post(gw.url + "/v1/chat/completions", json={**LONG, "stream": False, "max_tokens": 2}, headers={"x-request-id": "req-42"}, timeout=30)
-    assert asked.json()["id"] == "req-42"  # the gateway's request id, as in-process
+    assert asked.json()["id"] == "chatcmpl-req-42"  # the gateway's request id in OpenAI's form, as in-process
     for body, param in [({"temperature": -1}, "temperature"), ({"model": "auto", "max_tokens": 10**9}, "max_tokens")]:
         refused = httpx.post(gw.url + "/v1/chat/completions", json={**LONG, **body}, timeout=30)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
