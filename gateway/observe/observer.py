@@ -74,7 +74,7 @@ class Observer:
                 served.upstream_request_id.decode() if served.upstream_request_id else "-",
                 "-" if ttft is None else f"{ttft * 1000:.1f}ms",
                 total * 1000,
-                f"{'cached' if kind == 'cache' else 'prompt'}:{prompt},completion:{completion}" if kind != "none" else "-",
+                _token_text(kind, prompt, completion),
                 ctx.trace.trace_id or "-",
                 stage_text,
             )
@@ -91,3 +91,9 @@ def _tokens(ctx) -> tuple[int, int]:
         return 0, 0
     parsed = ctx.parsed
     return charge.prompt_tokens, delivery.tokens if parsed is not None and parsed.stream else 0
+
+
+def _token_text(kind: str, prompt: int, completion: int) -> str:
+    if kind == "none":
+        return "-"
+    return f"cached:{prompt + completion}" if kind == "cache" else f"prompt:{prompt},completion:{completion}"
