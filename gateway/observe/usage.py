@@ -36,7 +36,8 @@ from collections.abc import Iterable
 from datetime import datetime, timezone
 
 import orjson
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily
 
 from cache.circuit import Circuit
 from cache.redis import REDIS_FAILURES, connect
@@ -70,19 +71,8 @@ class Usage:
     """The tenants' usage: counters, hourly buckets and monthly totals (module docstring)."""
 
     def __init__(self, settings: UsageSettings, registry: CollectorRegistry) -> None:
-        self.requests = Counter(
-            "edgegw_usage_requests",
-            "Requests served per tenant, model (as answered) and target (an endpoint, edge, cache, coalesced).",
-            ["tenant", "model", "target"],
-            registry=registry,
-        )
-        self.tokens = Counter(
-            "edgegw_usage_tokens",
-            "Tokens per tenant, model and target: prompt, completion, and cached (saved by the response cache or by coalescing).",
-            ["tenant", "model", "target", "type"],
-            registry=registry,
-        )
-        self._children: dict[tuple, tuple] = {}
+        self._totals: dict[tuple[str, str, str], list[int]] = {}  # (tenant, model, target) -> COUNTS, since start
+        registry.register(_Counters(self._totals))
         self._hours: dict[tuple[int, str, str], list[int]] = {}  # memory store: (hour, tenant, model) -> COUNTS
         self._months: dict[tuple[str, str], int] = {}  # memory store: (YYYYMM, tenant) -> prompt + completion
         self._pending: dict[tuple[int, str, str], list[int]] = {}  # not yet in Redis
@@ -90,6 +80,7 @@ class Usage:
         self._read: dict[tuple[str, str], tuple[float, int]] = {}  # Redis month totals read: (monotonic, value)
         self._redis = None
         self._task: asyncio.Task | None = None
+        self._hour: tuple[int, str] = (-1, "")  # the hour last recorded, and its month
         self.configure(settings)
 
     def configure(self, settings: UsageSettings) -> None:
@@ -136,19 +127,18 @@ class Usage:
         if saved:
             prompt = completion = 0
         key = (tenant, model, target)
-        children = self._children.get(key)
-        if children is None:
-            children = self._children[key] = (
-                self.requests.labels(*key),
-                self.tokens.labels(*key, "prompt"),
-                self.tokens.labels(*key, "completion"),
-                self.tokens.labels(*key, "cached"),
-            )
-        for child, value in zip(children, (1, prompt, completion, cached)):
-            if value:
-                child.inc(value)
+        total = self._totals.get(key)
+        if total is None:
+            total = self._totals[key] = [0, 0, 0, 0]
+        total[0] += 1
+        total[1] += prompt
+        total[2] += completion
+        total[3] += cached
         now = time.time() if now is None else now
-        bucket = (hour_of(now), tenant, model)
+        hour = int(now // _HOUR_S)
+        if hour != self._hour[0]:
+            self._hour = (hour, month_of(now))  # formatting a date costs more than the rest together
+        bucket = (hour, tenant, model)
         store = self._pending if self._redis is not None else self._hours
         counts = store.get(bucket)
         if counts is None:
@@ -159,7 +149,7 @@ class Usage:
         counts[3] += cached
         if prompt or completion:
             months = self._pending_months if self._redis is not None else self._months
-            month = (month_of(now), tenant)
+            month = (self._hour[1], tenant)
             months[month] = months.get(month, 0) + prompt + completion
 
     # -- reading ---------------------------------------------------------------------
@@ -300,6 +290,35 @@ class Usage:
         keep = {month_of(now), month_of(now - 32 * 86400)}
         for month in [m for m in self._months if m[0] not in keep]:
             del self._months[month]
+
+
+class _Counters:
+    """``edgegw_usage_requests_total`` and ``edgegw_usage_tokens_total`` read from the plain
+    counts at scrape time: the hot path adds to a list (as ``LoopHistogram`` does; one event
+    loop thread writes), never through ``prometheus_client``'s locked counters."""
+
+    def __init__(self, totals: dict[tuple[str, str, str], list[int]]) -> None:
+        self._totals = totals
+
+    def collect(self):
+        requests = CounterMetricFamily(
+            "edgegw_usage_requests",
+            "Requests served per tenant, model (as answered) and target (an endpoint, edge, cache, coalesced).",
+            labels=["tenant", "model", "target"],
+        )
+        tokens = CounterMetricFamily(
+            "edgegw_usage_tokens",
+            "Tokens per tenant, model and target: prompt, completion, and cached (saved by the response cache or by coalescing).",
+            labels=["tenant", "model", "target", "type"],
+        )
+        for key, counts in list(self._totals.items()):
+            requests.add_metric(list(key), counts[0])
+            for kind, value in zip(("prompt", "completion", "cached"), counts[1:]):
+                tokens.add_metric([*key, kind], value)
+        return [requests, tokens]
+
+    def describe(self):
+        return []
 
 
 def _add(totals: dict, key, counts) -> None:
