@@ -5,12 +5,17 @@ Redis, worker processes for the node's sums."""
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 
 import httpx
 import pytest
 import redis
+from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.core.settings import UsageSettings
+from gateway.observe.usage import Usage
 
 from tests.conftest import cluster
 from tests.gateway.live import FileGateway, wait_for
@@ -182,3 +187,20 @@ def test_a_node_of_workers_sums_its_usage(upstreams, gateway_processes):
     assert sum(requests.values()) == 8
     rows = httpx.get(gw.url + "/admin/usage", headers=ADMIN, timeout=10).json()["data"]
     assert [(r["tenant"], r["requests"], r["prompt_tokens"]) for r in rows] == [("acme", 8, 40)]
+
+
+async def test_counts_wait_for_redis_and_are_not_lost(namespace):
+    """Redis unreachable: the counts stay for the next flush (here, once a reachable Redis is
+    configured, as a reload would); nothing is counted twice."""
+    down = UsageSettings(redis_url="redis://127.0.0.1:1/0", namespace=namespace, timeout_s=0.2)
+    usage = Usage(down, CollectorRegistry())
+    usage.record("acme", "m", "http://e/v1", 5, 7)
+    usage.record("acme", "m", "cache", 5, 7)
+    assert await usage.flush() is False  # refused connection: kept
+    usage.configure(UsageSettings(redis_url=REDIS_URL, namespace=namespace))
+    assert await usage.flush() is True
+    now = time.time()
+    rows = await usage.query(now - 3600, now, "acme")
+    assert rows == [{"tenant": "acme", "model": "m", "requests": 2, "prompt_tokens": 5, "completion_tokens": 7, "cached_tokens": 12, "total_tokens": 12}]
+    assert await usage.month_tokens("acme") == 12  # cache hits are free
+    await usage.aclose()
