@@ -248,6 +248,18 @@ class HealthState:
     def endpoints(self) -> list[str]:
         return list(self._endpoints)
 
+    def forget(self, endpoint: str) -> None:
+        """An endpoint taken out of the configuration (a reload): its record goes."""
+        self._endpoints.pop(endpoint, None)
+
+    def retune(self, config: RoutingConfig) -> None:
+        """New health, balancer and load settings (a reload); what was measured stays."""
+        self.config = config.health
+        self.alpha = config.balancer.ewma_alpha
+        self.load_config = config.load
+        self.block_tokens = self.load_config.prefix_block_chars / config.policy.chars_per_token
+        self.retry_budget = RetryBudget(self.config.retry_budget_ratio, self.config.retry_budget_min, self.config.retry_window_s)
+
     def _advance(self, h: EndpointHealth, now: float) -> BreakerState:
         b = h.breaker
         if b.state is BreakerState.OPEN and now >= b.open_until:

@@ -2,7 +2,8 @@
 
 Owns: CORS (``cors.py``: preflights answered before anything else, the headers on every
 answer to an allowed origin), the request id, draining, the body limits, tenants and their keys
-(``tenants.py``), the rate limits (``ratelimit.py``), the headers that go upstream
+(``tenants.py``), the rate limits (``ratelimit.py``), the monthly token quotas
+(``quota.py``), who may reach the admin paths (``admin.py``), the headers that go upstream
 (``forwarding.py``), the request's ``Deadline``, and ``AdmissionApp``: one middleware for
 HTTP requests and WebSockets (``gate.py``).
 
@@ -12,7 +13,8 @@ Nothing of the pipeline, the relay or the handlers: it wraps a handler it is giv
 
 from gateway.admission.cors import CORSMiddleware
 from gateway.admission.forwarding import NEVER_FORWARDED, HeaderPolicy
-from gateway.admission.gate import SOCKET, AdmissionApp, Gate, Socket, read_body, request_id_of
+from gateway.admission.admin import AdminGuard, AdminKeys, is_admin_path
+from gateway.admission.gate import SOCKET, AdmissionApp, Gate, Generation, Socket, read_body, request_id_of
 from gateway.admission.ratelimit import Quota, RateLimiter
 from gateway.admission.tenants import Tenants, api_key_of
 
@@ -20,14 +22,18 @@ __all__ = [
     "CORSMiddleware",
     "NEVER_FORWARDED",
     "SOCKET",
+    "AdminGuard",
+    "AdminKeys",
     "AdmissionApp",
     "Gate",
+    "Generation",
     "HeaderPolicy",
     "Quota",
     "RateLimiter",
     "Socket",
     "Tenants",
     "api_key_of",
+    "is_admin_path",
     "read_body",
     "request_id_of",
 ]

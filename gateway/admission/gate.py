@@ -40,6 +40,7 @@ import re
 import time
 
 from gateway.admission.forwarding import HeaderPolicy
+from gateway.admission.quota import check_quota
 from gateway.admission.ratelimit import RateLimiter
 from gateway.admission.tenants import Tenants
 from gateway.core.context import ON_GONE, Held, RequestContext
@@ -60,9 +61,10 @@ from gateway.core.settings import Settings
 from gateway.core.tenant import Tenant
 from gateway.core.timeouts import Watch, watchdog
 from gateway.observe import Metrics, Observer
+from gateway.observe.usage import Usage
 from routing import estimate_prompt_tokens
 
-__all__ = ["SOCKET", "AdmissionApp", "Gate", "Socket", "read_body", "request_id_of"]
+__all__ = ["SOCKET", "AdmissionApp", "Gate", "Generation", "Socket", "read_body", "request_id_of"]
 
 logger = logging.getLogger("edgegw")
 
@@ -93,16 +95,38 @@ class Socket:
         return self.request_id if number == 1 else self.request_id + b"." + str(number).encode()
 
 
+class Generation:
+    """The requests admitted under one configuration: when a reload retires it, what only
+    its requests may still use (a removed endpoint's pool, the old cache) is closed once
+    ``drained`` (every one of them has finished)."""
+
+    __slots__ = ("count", "_drained")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._drained: asyncio.Event | None = None
+
+    def leave(self) -> None:
+        self.count -= 1
+        if self.count == 0 and self._drained is not None:
+            self._drained.set()
+
+    async def drained(self) -> None:
+        if self.count:
+            self._drained = self._drained or asyncio.Event()
+            await self._drained.wait()
+
+
 class Gate:
     """The gateway's own protection and the tenants' limits, shared by every admission (an
     HTTP request or a WebSocket message)."""
 
     __slots__ = (
         "settings", "metrics", "observer", "tracing", "headers", "tenants", "limiter", "in_flight", "draining", "shedding_until",
-        "on_drain",
+        "on_drain", "usage", "generation",
     )
 
-    def __init__(self, settings: Settings, metrics: Metrics, observer: Observer, tracing=None) -> None:
+    def __init__(self, settings: Settings, metrics: Metrics, observer: Observer, tracing=None, usage: Usage | None = None) -> None:
         self.settings = settings
         self.metrics = metrics
         self.observer = observer
@@ -114,6 +138,28 @@ class Gate:
         self.draining = False
         self.shedding_until = 0.0  # time.monotonic(): /readyz says not ready until then
         self.on_drain: set = set()  # callables told when draining starts (open WebSockets)
+        self.usage = usage  # the tenants' usage (monthly quotas are checked against it)
+        self.generation = Generation()  # the requests admitted since the last reload
+
+    def reload(self, settings: Settings) -> RateLimiter | None:
+        """Take a new configuration (``gateway.node.reload``): tenants and keys, limits,
+        forwarded headers and, when ``rate_limits`` changed, a new limiter. Returns the old
+        limiter for the caller to close once nothing uses it (None: kept). Raises
+        ``ValueError`` (an unreadable keys_file) before anything has changed."""
+        headers = HeaderPolicy(settings.forward_headers.allow, settings.forward_headers.deny)
+        self.tenants.reload(settings.auth, settings.tenants)
+        old = None
+        if settings.rate_limits != self.settings.rate_limits:
+            old, self.limiter = self.limiter, RateLimiter(settings.rate_limits, self.metrics)
+        self.headers = headers
+        self.settings = settings
+        return old
+
+    def next_generation(self) -> Generation:
+        """Start counting the requests admitted from now on apart; the previous generation is
+        returned, for the caller to wait until it has ``drained``."""
+        old, self.generation = self.generation, Generation()
+        return old
 
     def drain(self) -> None:
         """The gateway is shutting down: refuse new work, and tell whoever holds a long-lived
@@ -139,6 +185,7 @@ class Gate:
     def begin(self, scope: dict, request_id: bytes, api: str) -> RequestContext:
         ctx = RequestContext(scope, request_id, api)
         ctx.send_timeout = self.settings.limits.send_timeout_s
+        ctx.count_usage = self.usage is not None and self.settings.usage.enabled
         if self.tracing is not None:
             self.tracing.begin(ctx)
         return ctx
@@ -154,6 +201,8 @@ class Gate:
         self.metrics.in_flight.inc()
         ctx.held = Held.GATEWAY
         where = {"path": ctx.path, "content_type": ctx.headers.get("content-type")} if kind == PASSTHROUGH else {}
+        ctx.generation = self.generation
+        ctx.generation.count += 1
         if len(ctx.body) > LARGE:  # parsing and checking grow with the body: not on the event loop
             parsed = ctx.parsed = await asyncio.to_thread(parse_request, kind, ctx.body, **where)
         else:
@@ -165,6 +214,8 @@ class Gate:
         cap = tenant.policy.max_concurrency
         if cap is not None and tenant.in_flight >= cap:
             raise RateLimited(f"{tenant.in_flight} requests of this API key are in flight (at most {cap})", code="concurrency_limit_exceeded", retry_after=1.0)
+        if self.usage is not None and tenant.policy.quota.monthly_tokens is not None:
+            await check_quota(tenant, self.usage)
         charge = ctx.charge
         charge.prompt_tokens, charge.estimate = _estimate_tokens(parsed, self.settings)  # len() of the texts: cheap
         quota = await self.limiter.check(tenant, charge.estimate)
@@ -202,6 +253,7 @@ class Gate:
         if held & Held.GATEWAY:
             self.in_flight -= 1
             self.metrics.in_flight.dec()
+            ctx.generation.leave()
         if held & Held.TENANT:
             ctx.tenant.in_flight -= 1
             if ctx.charge.usage is not None:

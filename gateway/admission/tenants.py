@@ -43,15 +43,32 @@ def api_key_of(headers: list[tuple[bytes, bytes]]) -> bytes | None:
 
 class Tenants:
     def __init__(self, auth: AuthSettings, tenants: tuple[TenantSettings, ...]) -> None:
-        self.mode = auth.mode
-        self.anonymous = Tenant("anonymous", auth.anonymous)
-        self.by_name = {"anonymous": self.anonymous}
-        self._by_digest: dict[bytes, tuple[bytes, Tenant]] = {}
-        for settings in tenants:
-            tenant = self.by_name[settings.name] = Tenant(settings.name, settings)
-            for key in _keys_of(settings):
+        self.by_name: dict[str, Tenant] = {}
+        self.reload(auth, tenants)
+
+    def reload(self, auth: AuthSettings, tenants: tuple[TenantSettings, ...]) -> None:
+        """Take a new configuration at once (a reload): keys no longer listed are refused
+        from the next request on, new ones accepted. A tenant that stays keeps its
+        ``Tenant`` (its requests in flight count against its new ``max_concurrency``).
+        Every keys_file is read before anything changes: ``ValueError`` leaves all as it was."""
+        keys = [(settings, _keys_of(settings)) for settings in tenants]
+        by_name = {}
+        for name, policy in (("anonymous", auth.anonymous), *((t.name, t) for t, _ in keys)):
+            tenant = self.by_name.get(name)
+            if tenant is None:
+                tenant = Tenant(name, policy)
+            else:
+                tenant.update(policy)
+            by_name[name] = tenant
+        by_digest: dict[bytes, tuple[bytes, Tenant]] = {}
+        for settings, tenant_keys in keys:
+            for key in tenant_keys:
                 digest = _digest_of(key)
-                self._by_digest[digest] = (digest, tenant)
+                by_digest[digest] = (digest, by_name[settings.name])
+        self.mode = auth.mode
+        self.anonymous = by_name["anonymous"]
+        self.by_name = by_name
+        self._by_digest = by_digest
 
     def identify(self, headers: list[tuple[bytes, bytes]]) -> Tenant:
         """The tenant a request's key names, or ``AuthenticationError`` (401) by ``auth.mode``."""
@@ -72,6 +89,12 @@ class Tenants:
 
 
 def _keys_of(settings: TenantSettings) -> list[str]:
+    return keys_of(settings, f"tenant {settings.name}")
+
+
+def keys_of(settings, owner: str) -> list[str]:
+    """The keys of ``settings`` (a tenant's or ``admin``: ``keys``, ``keys_env``,
+    ``keys_file``), read now; ``ValueError`` naming ``owner`` when the file cannot be read."""
     keys = [k.get_secret_value() for k in settings.keys]
     if settings.keys_env:
         keys += [k.strip() for k in os.environ.get(settings.keys_env, "").split(",") if k.strip()]
@@ -80,9 +103,14 @@ def _keys_of(settings: TenantSettings) -> list[str]:
             with open(settings.keys_file, encoding="utf-8") as file:
                 text = file.read()
         except OSError as exc:
-            raise ValueError(f"tenant {settings.name}: keys_file {settings.keys_file}: {exc.strerror or exc}") from None
+            raise ValueError(f"{owner}: keys_file {settings.keys_file}: {exc.strerror or exc}") from None
         keys += [k.strip() for line in text.splitlines() for k in line.split(",") if k.strip()]
     return keys
+
+
+def digest_of(key: str) -> bytes:
+    """The SHA-256 digest a key is kept as (``sha256:<hex>`` is one already)."""
+    return _digest_of(key)
 
 
 def _digest_of(key: str) -> bytes:

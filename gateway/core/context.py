@@ -62,6 +62,8 @@ class Charge:
     prompt_tokens: int = 0  # the prompt's size, estimated at admission
     estimate: int = 0  # tokens charged at admission (prompt + max_tokens)
     usage: int | None = None  # the answer's real total tokens, when it said
+    prompt_used: int | None = None  # the answer's usage.prompt_tokens, when it said
+    completion_used: int | None = None  # the answer's usage.completion_tokens, when it said
     rate_headers: list[tuple[bytes, bytes]] = field(default_factory=list)  # x-ratelimit-* for the response
 
 
@@ -73,6 +75,7 @@ class Served:
     target_kind: str = "none"  # edge | endpoint | cache | none
     target_stages: tuple[tuple[str, float], ...] = ()  # measured inside the target (Reply.stages)
     upstream_request_id: bytes | None = None  # the x-request-id the last upstream attempt was sent
+    model: str | None = None  # the model that answered (an alias resolved by routing); None: as asked
 
 
 @dataclass(slots=True)
@@ -103,6 +106,7 @@ class RequestContext:
     __slots__ = (
         "request_id", "api", "timing", "arrival", "wall_start", "raw_headers", "headers", "peer", "tenant", "deadline",
         "forward", "body", "parsed", "model", "send_timeout", "held", "charge", "served", "delivery", "trace", "path",
+        "count_usage", "generation",
     )
 
     def __init__(self, scope: dict, request_id: bytes, api: str) -> None:
@@ -128,11 +132,13 @@ class RequestContext:
         self.served = Served()
         self.delivery = Delivery()
         self.trace = Trace(_trace_id(self.headers.get("traceparent")))
+        self.count_usage = False  # usage.enabled: the answer's usage is read for the tenant's counts
+        self.generation: Any = None  # the configuration it was admitted under (gateway.admission.Generation)
 
     @property
     def wants_usage(self) -> bool:
         """Whether the answer's usage must be read (the tenant's tokens are counted)."""
-        return self.tenant is not None and self.tenant.policy.tokens_per_minute is not None
+        return self.tenant is not None and (self.count_usage or self.tenant.policy.tokens_per_minute is not None)
 
     def responded(self) -> None:
         """The answer is complete but for its last send."""

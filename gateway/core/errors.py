@@ -13,6 +13,7 @@ GatewayError                       -> {"error": {"message", "type", "param", "co
 ├── PayloadTooLarge         413    request body over limits.max_body_bytes
 ├── UnsupportedMediaType    415    a request body that says it is not JSON
 ├── RateLimited             429    tenant over its rate or concurrency (Retry-After)
+│   └── InsufficientQuota          tenant over its monthly token quota (no retry)
 ├── UpstreamError           502    upstream broke or answered nonsense
 │   └── UpstreamConnectError       could not open (or reuse) a connection
 ├── Overloaded              503    the gateway or a target is at capacity (Retry-After)
@@ -44,6 +45,7 @@ __all__ = [
     "UnsupportedMediaType",
     "ClientGone",
     "RateLimited",
+    "InsufficientQuota",
     "UpstreamError",
     "UpstreamConnectError",
     "UpstreamProtocolError",
@@ -136,6 +138,17 @@ class RateLimited(GatewayError):
     status = 429
     type = "rate_limit_error"
     code = "rate_limited"
+
+
+class InsufficientQuota(RateLimited):
+    """OpenAI's answer to an account past its quota: 429 ``insufficient_quota``, which clients
+    must not retry (``x-should-retry: false``, which the OpenAI SDKs read)."""
+
+    type = "insufficient_quota"
+    code = "insufficient_quota"
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return [*super().headers(), (b"x-should-retry", b"false")]
 
 
 class UpstreamError(GatewayError):

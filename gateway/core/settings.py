@@ -37,7 +37,12 @@ from routing import ClusterSpec, RoutingConfig, RoutingTable, TableError
 __all__ = [
     "ConfigError",
     "cpu_set",
+    "AdminListenSettings",
+    "AdminSettings",
     "ListenSettings",
+    "ReloadSettings",
+    "TokenQuotaSettings",
+    "UsageSettings",
     "TLSListenSettings",
     "HTTP3ListenSettings",
     "LimitSettings",
@@ -97,6 +102,11 @@ class HTTP3ListenSettings(_CertificateSettings):
     port: int = Field(8443, ge=1, le=65535)  # UDP port serving HTTP/3 (may equal listen.tls.port)
 
 
+class AdminListenSettings(_Model):
+    host: str | None = None  # address to bind; null: listen.host
+    port: int = Field(ge=1, le=65535)  # TCP port of the admin listener (HTTP/1.1)
+
+
 class ListenSettings(_Model):
     host: str = "127.0.0.1"  # address to bind
     port: int = Field(8080, ge=0, le=65535)  # TCP port (0 picks a free one)
@@ -108,6 +118,10 @@ class ListenSettings(_Model):
     # with workers > 1: a worker whose event loop has not run for this long is hung (a request
     # stuck in CPU work, a deadlock): the parent kills it and starts another
     worker_timeout_s: float = Field(30.0, ge=1.0)
+    # a separate listener for /metrics, /debug/latency, /dashboard and /admin/* (which the
+    # public port then answers 404); null: those are served on the public port (gateway/admission/admin.py)
+    admin: AdminListenSettings | None = None
+    pid_file: str | None = None  # write the serving process's pid here (edgegw reload --pid-file reads it)
 
     @field_validator("workers")
     @classmethod
@@ -317,6 +331,10 @@ class EdgeSettings(_Model):
 Priority = Literal["interactive", "standard", "batch"]
 
 
+class TokenQuotaSettings(_Model):
+    monthly_tokens: int | None = Field(None, ge=1)  # prompt + completion tokens per calendar month (UTC); beyond: 429 insufficient_quota (null: none)
+
+
 class TenantPolicy(_Model):
     """What a tenant may do and how its requests are treated."""
 
@@ -327,6 +345,7 @@ class TenantPolicy(_Model):
     tokens_per_minute: int | None = Field(None, ge=1)  # prompt + completion tokens; null: no limit
     max_concurrency: int | None = Field(None, ge=1)  # requests in flight at once; null: no limit
     models: tuple[str, ...] = ()  # models (or aliases) it may ask for; empty: every model
+    quota: TokenQuotaSettings = TokenQuotaSettings()  # token quotas counted by usage (gateway/admission/quota.py)
 
 
 class TenantSettings(TenantPolicy):
@@ -343,11 +362,15 @@ class TenantSettings(TenantPolicy):
     @field_validator("keys")
     @classmethod
     def _check_digests(cls, keys: tuple[SecretStr, ...]) -> tuple[SecretStr, ...]:
-        for key in keys:
-            value = key.get_secret_value()
-            if value.startswith("sha256:") and not re.fullmatch(r"sha256:[0-9a-fA-F]{64}", value):
-                raise ValueError("a sha256: key must be followed by 64 hex digits")
-        return keys
+        return _checked_digests(keys)
+
+
+def _checked_digests(keys: tuple[SecretStr, ...]) -> tuple[SecretStr, ...]:
+    for key in keys:
+        value = key.get_secret_value()
+        if value.startswith("sha256:") and not re.fullmatch(r"sha256:[0-9a-fA-F]{64}", value):
+            raise ValueError("a sha256: key must be followed by 64 hex digits")
+    return keys
 
 
 class AuthSettings(_Model):
@@ -363,6 +386,38 @@ class RateLimitSettings(_Model):
     fail_closed: bool = False  # Redis down: refuse (503) instead of admitting
     namespace: str = Field("edgegw", min_length=1)  # Redis key prefix
     default_output_tokens: int = Field(256, ge=0)  # completion tokens assumed at admission without max_tokens
+
+
+class AdminSettings(_Model):
+    """Who may use the admin paths (/metrics, /debug/latency, /dashboard, /admin/*)."""
+
+    keys: tuple[SecretStr, ...] = ()  # admin keys: plain, or "sha256:<hex of the key's sha256>"
+    keys_env: str | None = None  # also: a comma-separated list in this environment variable
+    keys_file: str | None = None  # also: a file of keys, one per line or comma-separated (a mounted Secret; read again on reload)
+
+    @field_validator("keys_file")
+    @classmethod
+    def _keys_file_exists(cls, value: str | None) -> str | None:
+        return None if value is None else _readable_file(value)
+
+    @field_validator("keys")
+    @classmethod
+    def _check_digests(cls, keys: tuple[SecretStr, ...]) -> tuple[SecretStr, ...]:
+        return _checked_digests(keys)
+
+
+class ReloadSettings(_Model):
+    watch: bool = True  # re-read the configuration when its file (or a keys_file) changes, as a mounted ConfigMap does
+    interval_s: float = Field(1.0, gt=0)  # how often the files are looked at (one stat() each)
+
+
+class UsageSettings(_Model):
+    enabled: bool = True  # count tokens per tenant, model and target (streams are asked for their usage chunk)
+    redis_url: str | None = None  # per-hour counts shared by every replica in this Redis (null: this process's memory)
+    namespace: str = Field("edgegw", min_length=1)  # Redis key prefix
+    flush_interval_s: float = Field(1.0, gt=0)  # counts are sent to Redis in one batch this often
+    retention_days: int = Field(400, ge=1)  # hourly counts are kept this long
+    timeout_s: float = Field(0.5, gt=0)  # per Redis call; slower counts as Redis being down (the counts wait for the next flush)
 
 
 class AdmissionSettings(_Model):
@@ -523,6 +578,9 @@ class Settings(_Model):
     auth: AuthSettings = AuthSettings()  # API keys
     tenants: tuple[TenantSettings, ...] = ()  # who may ask, how much, and how urgently
     rate_limits: RateLimitSettings = RateLimitSettings()  # where the tenants' rate limits are counted
+    admin: AdminSettings = AdminSettings()  # keys for /metrics, /debug/latency, /dashboard and /admin/*
+    reload: ReloadSettings = ReloadSettings()  # live configuration reload (SIGHUP, POST /admin/reload, a changed file)
+    usage: UsageSettings = UsageSettings()  # tokens per tenant: counters, GET /admin/usage, monthly quotas
     admission: AdmissionSettings = AdmissionSettings()  # queueing and shedding in front of every target
     slo: SLOSettings = SLOSettings()  # objectives, and the burn rates that page
     tracing: TracingSettings = Field(default_factory=TracingSettings)  # OpenTelemetry traces (the tracing extra)
@@ -553,6 +611,17 @@ class Settings(_Model):
         duplicates = sorted({n for n in names if names.count(n) > 1} | ({"anonymous"} & set(names)))
         if duplicates:
             raise ValueError(f"duplicate or reserved tenant names: {', '.join(duplicates)}")
+        return self
+
+    @model_validator(mode="after")
+    def _admin_port_of_its_own(self) -> Settings:
+        admin = self.listen.admin
+        if admin is not None:
+            taken = {self.listen.port: "listen.port"}
+            if self.listen.tls is not None:
+                taken[self.listen.tls.port] = "listen.tls.port"
+            if admin.port in taken:
+                raise ValueError(f"listen.admin.port {admin.port} is {taken[admin.port]}: the admin listener needs a port of its own")
         return self
 
     @property

@@ -22,11 +22,15 @@ class Tenant:
 
     def __init__(self, name: str, policy: TenantPolicy) -> None:
         self.name = name
+        self.in_flight = 0
+        self.update(policy)
+
+    def update(self, policy: TenantPolicy) -> None:
+        """A new policy (a configuration reload); its requests in flight stay counted."""
         self.policy = policy
         self.priority = policy.priority
         self.rank = PRIORITY_CLASSES[policy.priority]
         self.weight = policy.weight
-        self.in_flight = 0
 
     def check_model(self, model: str) -> None:
         """Raise ``PermissionDenied`` (403) for a model this tenant may not use."""

@@ -5,7 +5,8 @@ The plain HTTP/1.1 listener stays uvicorn's (``listen.host``/``listen.port``). W
 ``h2`` goes to ``gateway.ingress.h2``, ``http/1.1`` to uvicorn's own HTTP/1.1 protocol
 (the same one the plain listener runs). With ``listen.http3`` a UDP listener serves
 HTTP/3 (``gateway.ingress.h3``), and HTTPS responses carry ``Alt-Svc`` so that clients
-learn of it. All of them serve the same app (uvicorn's loaded app, the lifespan already
+learn of it. With ``listen.admin`` a plain HTTP/1.1 listener on its own port serves the
+admin paths (``gateway.admission.admin``). All of them serve the same app (uvicorn's loaded app, the lifespan already
 run) and register their connections and request tasks in uvicorn's server state, so
 uvicorn's graceful shutdown (SIGTERM) drains them like its own: no new connections, GOAWAY,
 in-flight streams finish up to ``timeout_graceful_shutdown``.
@@ -164,6 +165,18 @@ class Server(uvicorn.Server):
                 )
                 self.servers.append(server)  # uvicorn closes it with its own on shutdown
                 logger.info("HTTPS (HTTP/1.1, HTTP/2) on https://%s:%d", listen.host, listen.tls.port)
+            if listen.admin is not None:
+                # the admin paths' own port (gateway.admission.admin tells it by its number): HTTP/1.1
+                config = self.config
+                server = await loop.create_server(
+                    lambda: config.http_protocol_class(config=config, server_state=self.server_state, app_state=self.lifespan.state),
+                    listen.admin.host or listen.host,
+                    listen.admin.port,
+                    backlog=config.backlog,
+                    reuse_port=self.reuse_port or None,
+                )
+                self.servers.append(server)
+                logger.info("admin paths on http://%s:%d", listen.admin.host or listen.host, listen.admin.port)
             if listen.http3 is not None:
                 self.http3 = await serve_http3(
                     self.config.loaded_app,

@@ -18,8 +18,12 @@ import contextlib
 import importlib
 import logging
 import os
+import signal
 import time
 from collections.abc import AsyncIterator
+from urllib.parse import urlencode
+
+import orjson
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -27,14 +31,17 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route, WebSocketRoute
 
-from gateway.admission import AdmissionApp, CORSMiddleware, Gate
+from gateway.admission import AdminGuard, AdmissionApp, CORSMiddleware, Gate
 from gateway.core.errors import error_body
 from gateway.core.openai import CHAT, COMPLETION, PASSTHROUGH
-from gateway.core.settings import PASSTHROUGH_PATHS, Settings
-from gateway.handlers import CompletionsApp, HealthzApp, JSONApp, MetricsApp, ModelsApp, ReadyzApp, WebSocketApp
+from gateway.core.settings import PASSTHROUGH_PATHS, ConfigError, Settings
+from gateway.handlers import CompletionsApp, HealthzApp, JSONApp, MetricsApp, ModelsApp, ReadyzApp, ReloadApp, UsageApp, WebSocketApp
+from gateway.node import reload as reloading
+from gateway.node.reload import ConfigSource, Reloader
 from gateway.node.siblings import Node, Siblings
 from gateway.observe import Diagnosis, Metrics, Observer, SLOs
 from gateway.observe.dashboard import DashboardApp, live_snapshot
+from gateway.observe.usage import Usage, merge_rows
 from gateway.pipeline import CacheLayer, Dispatcher, Fleet, Pipeline
 
 __all__ = ["Gateway", "GatewayApp", "create_app"]
@@ -45,7 +52,9 @@ logger = logging.getLogger("edgegw")
 class Gateway:
     """Everything the running gateway holds, built once and started by the lifespan."""
 
-    def __init__(self, settings: Settings, metrics: Metrics | None = None, node: Node | None = None) -> None:
+    def __init__(
+        self, settings: Settings, metrics: Metrics | None = None, node: Node | None = None, source: ConfigSource | None = None
+    ) -> None:
         self.settings = settings
         self.node = node
         self.siblings = Siblings(node) if node is not None else None  # the node's /metrics
@@ -59,11 +68,15 @@ class Gateway:
             tracing = importlib.import_module("gateway.observe.tracing").Tracing(settings.tracing)
         self.fleet.tracing = self.tracing = tracing
         self.observer = Observer(metrics, self.slos, self.diagnosis, settings.listen.access_log, tracing)
-        self.gate = Gate(settings, metrics, self.observer, tracing)
+        self.usage = self.observer.usage = Usage(settings.usage, metrics.registry)  # the tenants' tokens
+        self.gate = Gate(settings, metrics, self.observer, tracing, usage=self.usage)
         self.dispatcher = Dispatcher(self.fleet, metrics, on_shed=self.gate.shed_for_capacity)
         self.cache = CacheLayer(settings.cache, metrics.registry)
         self.pipeline = Pipeline(self.dispatcher, self.cache, settings.limits.keepalive_interval_s)
         self.started = False
+        self.admin: AdminGuard | None = None  # create_app puts it in front of the small routes
+        self.reloader = Reloader(source, settings, self.reload)  # SIGHUP, POST /admin/reload, a changed file
+        self._retiring: set[asyncio.Task] = set()
 
     async def start(self) -> None:
         await self.fleet.start()
@@ -75,6 +88,10 @@ class Gateway:
             self.node.beat()  # the parent's proof that this worker's loop runs
         await self.slos.start()
         await self.cache.start()
+        await self.usage.start()
+        source, watch = self.reloader.source, self.settings.reload
+        if self.node is None and source is not None and source.path is not None and watch.watch:
+            self.fleet.spawn(self.reloader.watch(watch.interval_s))  # a node's parent watches for its workers
         self.started = True
         logger.info(
             "edgegw ready: %d cluster(s), models: %s",
@@ -101,11 +118,53 @@ class Gateway:
             verdict = target["diagnosis"]["verdict"]
             yield "edgegw_diagnosis", "The target's bottleneck diagnosis (1 for its current verdict).", {"target": target["name"], "verdict": verdict}, 1.0
 
+    # -- live reload (gateway/node/reload.py) -------------------------------------------
+
+    async def reload(self, new: Settings) -> str:
+        return await reloading.apply(self, new)
+
+    def retire(self, coro) -> None:
+        """Run ``coro`` (it closes what a reload left to the requests admitted before it)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    async def admin_reload(self, why: str) -> tuple[int, dict]:
+        """``POST /admin/reload``: this process's reload, or on a node of workers, the file
+        checked here and the parent asked (SIGHUP) to reload every process."""
+        if self.node is None:
+            outcome = await self.reloader.reload(why)
+            return (200 if outcome.ok else 400), outcome.to_dict()
+        source = self.reloader.source
+        try:
+            if source is None:
+                raise ConfigError("no configuration file to read again (started without --config)")
+            await asyncio.to_thread(source.load)
+        except ConfigError as exc:
+            return 400, {"status": "refused", "error": str(exc)}
+        os.kill(os.getppid(), signal.SIGHUP)  # the supervisor: it reloads the workers and the engine
+        return 202, {"status": "reloading", "workers": self.node.workers}
+
+    async def usage_rows(self, start: float, end: float, tenant: str | None, worker_only: bool) -> list[dict]:
+        """``GET /admin/usage``: from Redis (every replica's), or this process's memory plus,
+        on a node of workers, its siblings'."""
+        rows = await self.usage.query(start, end, tenant)
+        if self.usage.shared or worker_only or self.siblings is None:
+            return rows
+        query = urlencode({"from": start, "to": end, **({"tenant": tenant} if tenant else {})}).encode()
+        others = [i for i in range(self.node.workers) if i != self.node.index]
+        answers = await asyncio.gather(*(self.siblings.get(i, b"/admin/usage?" + query) for i in others))
+        return merge_rows(rows, *(orjson.loads(a)["data"] for a in answers if a is not None))
+
     async def aclose(self) -> None:
         self.gate.drain()
         await self.slos.aclose()
         if self.tracing is not None:
             await asyncio.to_thread(self.tracing.shutdown)
+        for task in list(self._retiring):
+            task.cancel()  # each closes what it holds as it ends
+        await asyncio.gather(*self._retiring, return_exceptions=True)
+        await self.usage.aclose()
         await self.cache.aclose()
         await self.gate.limiter.aclose()
         await self.fleet.aclose()
@@ -147,10 +206,13 @@ class GatewayApp:
         await self.app(scope, receive, send)
 
 
-def create_app(settings: Settings, *, metrics: Metrics | None = None, node: Node | None = None) -> GatewayApp:
+def create_app(
+    settings: Settings, *, metrics: Metrics | None = None, node: Node | None = None, source: ConfigSource | None = None
+) -> GatewayApp:
     """``node``: this worker's place on a node of several (``gateway.node.workers``); None for a
-    single-process gateway."""
-    gateway = Gateway(settings, metrics, node)
+    single-process gateway. ``source``: where the configuration is read again on a reload
+    (None: it cannot be)."""
+    gateway = Gateway(settings, metrics, node, source)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -177,6 +239,8 @@ def create_app(settings: Settings, *, metrics: Metrics | None = None, node: Node
         Route("/dashboard", dashboard, methods=["GET"]),
         Route("/dashboard/feed", dashboard, methods=["GET"]),
         WebSocketRoute("/v1/ws", AdmissionApp(WebSocketApp(pipeline, gate, gateway.metrics), gate, "ws", None)),
+        Route("/admin/reload", ReloadApp(gateway.admin_reload), methods=["POST"]),
+        Route("/admin/usage", UsageApp(gateway.usage_rows, lambda: "redis" if gateway.usage.shared else "memory"), methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: _http_error, 405: _http_error})
     # Starlette answers "/v1/models/" with a redirect built from the client's Host header
@@ -187,7 +251,8 @@ def create_app(settings: Settings, *, metrics: Metrics | None = None, node: Node
     paths = dict.fromkeys((*PASSTHROUGH_PATHS, *settings.passthrough))
     exact = {path: passthrough for path in paths if not path.endswith("*") and path not in completions}
     prefixes = tuple((path[:-1], passthrough) for path in paths if path.endswith("*"))
-    return GatewayApp(gateway, app, {**completions, **exact}, prefixes)
+    gateway.admin = AdminGuard(app, settings)  # /metrics, /debug, /dashboard, /admin/*: listen.admin, admin.keys
+    return GatewayApp(gateway, gateway.admin, {**completions, **exact}, prefixes)
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:

@@ -5,28 +5,32 @@
     edgegw serve --model ./model.gguf
     edgegw check-config FILE
     edgegw explain --config FILE --ip PEER [--header 'Name: value' ...] --body FILE [--json]
+    edgegw reload [--pid-file FILE | --url ADMIN_URL | --config FILE] [--key-env NAME]
     edgegw bench --base-url URL [...]   (the load generator: loadgen/)
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import os
+import signal
 import socket
 import sys
 import time
 from collections.abc import Iterator
 
+import httpx
 import orjson
 import uvicorn
 
-from cache import CacheConfig
 from gateway.node.app import create_app
 from gateway.ingress import Server
 from gateway.ingress.http1 import H1Protocol
 from gateway.ingress.websocket import DrainingWebSocketProtocol
+from gateway.node.reload import ConfigSource, apply_overrides
 from gateway.node.siblings import Node
 from gateway.observe import redact_logs
 from gateway.core.settings import ConfigError, Settings, load_settings, quickstart_settings
@@ -65,6 +69,13 @@ def main(argv: list[str] | None = None) -> int:
         help="serve this local GGUF file or Hugging Face directory from the in-process edge engine",
     )
     serve.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument("--pid-file", metavar="FILE", help="write the serving process's pid here (edgegw reload --pid-file)")
+
+    reload = commands.add_parser("reload", help="make a running gateway read its configuration again")
+    reload.add_argument("--pid-file", metavar="FILE", help="send SIGHUP to the pid in this file (listen.pid_file)")
+    reload.add_argument("--url", metavar="ADMIN_URL", help="POST <ADMIN_URL>/admin/reload (the admin listener, or the public port with admin.keys)")
+    reload.add_argument("--config", metavar="FILE", help="the running configuration: its listen.pid_file, else its listen.admin address")
+    reload.add_argument("--key-env", metavar="NAME", default="EDGEGW_ADMIN_KEY", help="environment variable holding an admin key (default: EDGEGW_ADMIN_KEY)")
 
     check = commands.add_parser("check-config", help="validate a configuration file and exit")
     check.add_argument("file", metavar="FILE")
@@ -93,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         return _check_config(args.file)
     if args.command == "explain":
         return _explain(args)
+    if args.command == "reload":
+        return _reload(args, parser)
     return _serve(args, parser)
 
 
@@ -160,6 +173,66 @@ def _explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _reload(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``edgegw reload``: SIGHUP to the pid in a pid file, or ``POST /admin/reload``."""
+    pid_file, url = args.pid_file, args.url
+    if not pid_file and not url:
+        if not args.config:
+            parser.error("give --pid-file FILE, --url ADMIN_URL or --config FILE")
+        try:
+            settings = load_settings(args.config)
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        listen = settings.listen
+        if listen.pid_file:
+            pid_file = listen.pid_file
+        elif listen.admin is not None:
+            host = listen.admin.host or listen.host
+            host = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
+            url = f"http://{host if ':' not in host else f'[{host}]'}:{listen.admin.port}"
+        else:
+            print(f"error: {args.config} has neither listen.pid_file nor listen.admin: use --pid-file or --url", file=sys.stderr)
+            return 2
+    if pid_file:
+        try:
+            pid = int(open(pid_file).read().strip())
+            os.kill(pid, signal.SIGHUP)
+        except (OSError, ValueError) as exc:
+            print(f"error: {pid_file}: {getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
+            return 1
+        print(f"sent SIGHUP to pid {pid}: the gateway's log says what was reloaded")
+        return 0
+    key = os.environ.get(args.key_env)
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    try:
+        response = httpx.post(url.rstrip("/") + "/admin/reload", headers=headers, timeout=30)
+    except httpx.HTTPError as exc:
+        print(f"error: POST {url.rstrip('/')}/admin/reload: {exc}", file=sys.stderr)
+        return 1
+    sys.stdout.write(response.text + "\n")
+    return 0 if response.status_code < 300 else 1
+
+
+class _PidFile:
+    """``listen.pid_file``: the serving process's pid, removed at exit (if it is still ours)."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+
+    def __enter__(self) -> _PidFile:
+        if self.path:
+            with open(self.path, "w") as file:
+                file.write(f"{os.getpid()}\n")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.path:
+            with contextlib.suppress(OSError, ValueError):
+                if int(open(self.path).read().strip()) == os.getpid():
+                    os.unlink(self.path)
+
+
 def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         if args.config and args.upstream:
@@ -172,23 +245,26 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             settings = quickstart_settings([], cache=args.cache)
         else:
             parser.error("give --config FILE, --upstream URL or --model PATH")
-        settings = _override(settings, args)
+        settings = apply_overrides(settings, args)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    overrides = {k: getattr(args, k) for k in ("cache", "model", "host", "port", "log_level", "pid_file")}
+    source = ConfigSource(args.config, overrides) if args.config else None  # what a reload reads again
     listen = settings.listen
     logging.basicConfig(level=listen.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _quiet_clients()
-    if listen.workers > 1 or settings.engine_in_own_process:
-        return Supervisor(settings, _serve_worker).run()  # gateway/workers.py
-    config = uvicorn_config(settings, create_app(settings))
-    redact_logs("uvicorn", "uvicorn.error", "uvicorn.access")  # no key in any log line, at any level
-    server = _DrainingServer(config, listen, high_water=settings.limits.stream_buffer_bytes)
-    server.run()
+    with _PidFile(listen.pid_file):
+        if listen.workers > 1 or settings.engine_in_own_process:
+            return Supervisor(settings, _serve_worker, source).run()  # gateway/workers.py
+        config = uvicorn_config(settings, create_app(settings, source=source))
+        redact_logs("uvicorn", "uvicorn.error", "uvicorn.access")  # no key in any log line, at any level
+        server = _DrainingServer(config, listen, high_water=settings.limits.stream_buffer_bytes)
+        server.run()
     return 0
 
 
-def _serve_worker(settings: Settings, node: Node, sock: socket.socket) -> None:
+def _serve_worker(settings: Settings, node: Node, sock: socket.socket, source: ConfigSource | None = None) -> None:
     """One relay worker of a node (``gateway.node.workers.Supervisor`` runs it in a process of
     its own): the same app as a single-process gateway, on the slot's socket ``sock`` and on
     the worker's own Unix socket in the node's run directory."""
@@ -203,7 +279,7 @@ def _serve_worker(settings: Settings, node: Node, sock: socket.socket) -> None:
         os.unlink(path)  # left by the worker this one replaces
     private.bind(path)
     private.listen(128)
-    config = uvicorn_config(settings, create_app(settings, node=node))
+    config = uvicorn_config(settings, create_app(settings, node=node, source=source))
     redact_logs("uvicorn", "uvicorn.error", "uvicorn.access")
     server = _DrainingServer(config, listen, high_water=settings.limits.stream_buffer_bytes, reuse_port=True)
     server.run(sockets=[sock, private])
@@ -240,42 +316,46 @@ def uvicorn_config(settings: Settings, app, **overrides) -> uvicorn.Config:
     return uvicorn.Config(app, **{**options, **overrides})
 
 
-def _override(settings: Settings, args: argparse.Namespace) -> Settings:
-    """Apply the command line's --host/--port/--log-level, --cache and --model on top."""
-    if args.cache and args.config:
-        try:
-            settings = settings.model_copy(update={"cache": CacheConfig.from_cli(args.cache)})
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-    if args.model:
-        if not os.path.exists(args.model):
-            raise ConfigError(f"--model: {args.model!r} does not exist")
-        edge = settings.edge.model_copy(update={"enabled": True, "model": args.model})
-        settings = settings.model_copy(update={"edge": edge})
-    listen = settings.listen
-    changes = {}
-    if args.host:
-        changes["host"] = args.host
-    if args.port is not None:
-        changes["port"] = args.port
-    if args.log_level:
-        changes["log_level"] = args.log_level
-    if not changes:
-        return settings
-    return settings.model_copy(update={"listen": listen.model_copy(update=changes)})
+def _hangup_handler(server: uvicorn.Server):
+    """SIGHUP, in the main thread while ``server`` runs: a configuration reload on its event
+    loop (``gateway.node.reload``), never the end of the process. Returns the handler it
+    replaced (None: not the main thread)."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+    tasks: set[asyncio.Task] = set()
+
+    def reload() -> None:
+        gateway = getattr(server.config.app, "gateway", None)
+        if gateway is None or server.should_exit:
+            logging.getLogger("edgegw").info("SIGHUP: not reloading (%s)", "shutting down" if server.should_exit else "nothing to reload")
+            return
+        task = loop.create_task(gateway.reloader.reload("SIGHUP"))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    try:
+        return signal.signal(signal.SIGHUP, lambda sig, frame: loop.call_soon_threadsafe(reload))
+    except ValueError:  # not the main thread
+        return None
 
 
 class _DrainingServer(Server):
     """On SIGTERM/SIGINT, mark the gateway draining (readyz 503, new requests refused)
-    while uvicorn stops accepting and lets in-flight streams finish; then exit 0.
+    while uvicorn stops accepting and lets in-flight streams finish; then exit 0. SIGHUP
+    reloads the configuration.
     (``gateway.ingress.Server``: uvicorn's, plus the ``listen.tls`` / ``listen.http3`` listeners.)"""
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         with super().capture_signals():
+            hangup = _hangup_handler(self)
             try:
                 yield
             finally:
+                if hangup is not None:
+                    signal.signal(signal.SIGHUP, hangup)
                 self._captured_signals.clear()  # drained cleanly: exit 0, not by the signal
 
     def handle_exit(self, sig, frame) -> None:

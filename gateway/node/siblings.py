@@ -71,13 +71,18 @@ class Siblings:
 
     async def exposition(self, index: int) -> str | None:
         """Worker ``index``'s own /metrics exposition; None if it does not answer."""
+        return await self.get(index, b"/metrics")
+
+    async def get(self, index: int, target: bytes) -> str | None:
+        """Worker ``index``'s own answer to ``GET target`` (asked with ``WORKER_SCOPE``); None
+        if it does not answer 200."""
         pool = self._pools.get(index)
         if pool is None:
             origin = Origin("localhost", 0, None, b"localhost", b"http", uds=self.node.worker_socket(index))
             timeouts = Timeouts(connect=_FETCH_TIMEOUT_S, read=_FETCH_TIMEOUT_S, write=_FETCH_TIMEOUT_S, pool=_FETCH_TIMEOUT_S)
             pool = self._pools[index] = H1Pool(origin, max_connections=1, warm_connections=0, timeouts=timeouts, high_water=1 << 20)
         try:
-            response = await pool.request(b"GET", b"/metrics", [WORKER_SCOPE], b"")
+            response = await pool.request(b"GET", target, [WORKER_SCOPE], b"")
             try:
                 body = await response.body.read_all(_FETCH_TIMEOUT_S, _MAX_EXPOSITION_BYTES)
             finally:

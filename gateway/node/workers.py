@@ -28,6 +28,12 @@ of the node's one edge engine process.
 - SIGTERM or SIGINT: every worker is sent SIGTERM and drains (uvicorn's graceful shutdown,
   up to ``limits.drain_timeout_s``), then the engine; the parent exits 0. A child still
   running well past the drain time is killed.
+- SIGHUP (or, with ``reload.watch``, a change of the configuration file or of a keys_file,
+  which the parent looks at every ``reload.interval_s``): the parent reads the
+  configuration again; refused (the log names the key and line), nothing changes; else it
+  names what needs a restart, sends SIGHUP to every worker and to the engine, each of which
+  applies it (``gateway.node.reload``; the engine its ``max_queue_len``), and starts
+  replacement workers with it from then on.
 
 Children run in their own process group (a terminal's Ctrl-C reaches the parent only, which
 stops them in order: workers first, then the engine they stream from) and are sent SIGTERM
@@ -52,8 +58,9 @@ from multiprocessing.connection import wait
 
 from uvicorn.config import STARTUP_FAILURE
 
+from gateway.node.reload import ConfigSource, Watch, changed_keys, live_settings, not_live
 from gateway.node.siblings import Node
-from gateway.core.settings import Settings, cpu_set
+from gateway.core.settings import ConfigError, Settings, cpu_set
 
 __all__ = ["Supervisor", "bind_slots", "run_engine", "split_cpus"]
 
@@ -90,7 +97,7 @@ def bind_slots(host: str, port: int, count: int, backlog: int = 2048) -> list[so
     return sockets
 
 
-def run_engine(settings: Settings, path: str) -> None:
+def run_engine(settings: Settings, path: str, source: ConfigSource | None = None) -> None:
     """The node's edge engine process: ``edge_engine.server`` over ``settings.edge``'s
     engine, on the Unix socket ``path``. Imported here, in the child only: the parent and
     the relay workers never load torch."""
@@ -109,7 +116,29 @@ def run_engine(settings: Settings, path: str) -> None:
         timeout_graceful_shutdown=settings.limits.drain_timeout_s,
         timeout_keep_alive=3600,  # the workers' pools keep their connections
     )
-    uvicorn.Server(config).run()
+    server = uvicorn.Server(config)
+    _on_hangup(lambda: _reload_engine(engine, source))  # the parent passes reloads on
+    server.run()
+
+
+def _on_hangup(reload: Callable[[], None]) -> None:
+    """SIGHUP calls ``reload`` (in the main thread, between two steps of the loop's work)."""
+    signal.signal(signal.SIGHUP, lambda sig, frame: reload())
+
+
+def _reload_engine(engine, source: ConfigSource | None) -> None:
+    """What of a new configuration the engine process applies: its queue bound
+    (``edge.max_queue_len``); its model and memory need a restart (the parent names them)."""
+    if source is None:
+        return
+    try:
+        new = source.load()
+    except ConfigError as exc:
+        logger.error("reload refused: %s", exc)
+        return
+    if engine.config.max_queue_len != new.edge.max_queue_len:
+        engine.config.max_queue_len = new.edge.max_queue_len
+        logger.info("reload: edge.max_queue_len %d", new.edge.max_queue_len)
 
 
 def _child_main(target: Callable, parent: int, cpus: frozenset[int] | None, *args) -> None:
@@ -209,11 +238,13 @@ class Supervisor:
     """Runs the node: ``worker(settings, node, sock)`` in ``listen.workers`` processes and,
     with the edge engine on, ``run_engine`` in one more. ``run()`` returns the exit status."""
 
-    def __init__(self, settings: Settings, worker: Callable) -> None:
+    def __init__(self, settings: Settings, worker: Callable, source: ConfigSource | None = None) -> None:
         self.settings = settings
         self.worker = worker
+        self.source = source  # where a reload reads the configuration (None: it cannot)
         self.context = multiprocessing.get_context("spawn")
         self._stopping = False
+        self._hangup = False
 
     def run(self) -> int:
         settings = self.settings
@@ -231,6 +262,7 @@ class Supervisor:
             os.set_blocking(wakeup_write, False)
             previous_fd = signal.set_wakeup_fd(wakeup_write)  # a signal ends the wait at once
             previous = {sig: signal.signal(sig, self._stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+            previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, self._reload_asked)
             try:
                 return self._supervise(rundir, slots, port)
             finally:
@@ -249,6 +281,30 @@ class Supervisor:
             logger.info("%s: draining the workers", signal.Signals(sig).name)
         self._stopping = True
 
+    def _reload_asked(self, sig, frame) -> None:
+        self._hangup = True  # the loop reloads (the wakeup fd ends its wait)
+
+    def _reload(self, why: str, children: list[_Child]) -> None:
+        """Check the configuration again, then pass the reload to every child (module docstring)."""
+        if self.source is None:
+            logger.info("%s: no configuration file to read again (started without --config)", why)
+            return
+        try:
+            new = self.source.load()
+        except ConfigError as exc:
+            logger.error("reload (%s) refused; the running configuration stays: %s", why, exc)
+            return
+        restart = not_live(changed_keys(self.settings.model_dump(), new.model_dump()))
+        if restart:
+            logger.warning("reload (%s): not applied until a restart: %s", why, ", ".join(restart))
+        self.settings = live_settings(self.settings, new)
+        for child in children:
+            child.args = (self.settings, *child.args[1:])  # a replacement starts with it
+            if child.is_alive:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(child.process.pid, signal.SIGHUP)
+        logger.info("reload (%s): passed to %d process(es)", why, sum(c.is_alive for c in children))
+
     def _supervise(self, rundir: str, slots: list[socket.socket], port: int) -> int:
         settings = self.settings
         workers = settings.listen.workers
@@ -266,20 +322,30 @@ class Supervisor:
         loading = False  # the engine's first start is under way: the workers serve meanwhile
         if settings.edge.enabled:
             path = Node(0, workers, rundir).engine_socket
-            engine = _Child("edge engine", run_engine, (settings, path), cpus=engine_cpus)
+            engine = _Child("edge engine", run_engine, (settings, path, self.source), cpus=engine_cpus)
             engine.start(self.context)
             loading, load_deadline = True, time.monotonic() + _ENGINE_START_S
         children = []
         for i in range(workers):
             node = Node(i, workers, rundir, self.context.RawValue("d", 0.0))
-            children.append(_Child(f"worker {i}", self.worker, (settings, node, slots[i]), node.heartbeat, relay_cpus))
+            children.append(_Child(f"worker {i}", self.worker, (settings, node, slots[i], self.source), node.heartbeat, relay_cpus))
         for child in children:
             child.start(self.context)
         logger.info("edgegw: %d worker(s) on http://%s:%d", workers, settings.listen.host, port)
         everyone = [*children, *([engine] if engine else [])]
         status = 0
+        watch = Watch(self.source.files(settings)) if self.source is not None and self.source.path else None
+        next_look = time.monotonic() + settings.reload.interval_s
         while not self._stopping:
             now = time.monotonic()
+            if self._hangup:
+                self._hangup = False
+                self._reload("SIGHUP", everyone)
+            elif watch is not None and self.settings.reload.watch and now >= next_look:
+                next_look = now + self.settings.reload.interval_s
+                if watch.changed():
+                    self._reload("file changed", everyone)
+                    watch.follow(self.source.files(self.settings))
             if loading:
                 if _answers(path):
                     loading = False
@@ -305,7 +371,7 @@ class Supervisor:
             sentinels = [c.process.sentinel for c in everyone if c.process is not None]
             due = [c.restart_at for c in everyone if c.restart_at is not None]
             timeout = max(0.0, min(due) - time.monotonic()) if due else 1.0
-            if self._wakeup in wait([*sentinels, self._wakeup], timeout=min(timeout, 0.1 if loading else 1.0)):
+            if self._wakeup in wait([*sentinels, self._wakeup], timeout=min(timeout, 0.1 if loading else min(1.0, self.settings.reload.interval_s))):
                 with contextlib.suppress(BlockingIOError):
                     os.read(self._wakeup, 512)
         self._terminate(children)

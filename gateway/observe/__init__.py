@@ -4,7 +4,7 @@ Owns: the metrics (``metrics.py``: counters, lock-free histograms, gauges read a
 time), the observer a finished request goes to (``observer.py``), the SLOs and their burn
 rates (``slo.py``), the per-target bottleneck diagnosis (``diagnosis.py``), traces
 (``tracing.py``, imported only when traces are on), the dashboard (``dashboard.py``), the
-node's summed ``/metrics`` (``node_metrics.py``) and the log filter that keeps credentials
+node's summed ``/metrics`` (``node_metrics.py``), the tenants' usage (``usage.py``) and the log filter that keeps credentials
 out (``logs.py``).
 
 Fed events (a finished ``RequestContext``, gauge readers), it imports no stage of the data

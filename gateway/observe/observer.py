@@ -27,6 +27,7 @@ class Observer:
         self.access_log = access_log
         self.tracing = tracing  # gateway.observe.tracing.Tracing when traces are on
         self._verdicts: dict[str, str] = {}
+        self.usage = None  # gateway.observe.usage.Usage: the tenants' tokens
 
     def finished(self, ctx) -> None:
         """``ctx``: the request's ``gateway.core.context.RequestContext``."""
@@ -55,12 +56,15 @@ class Observer:
                 kind,
                 Observation(time.monotonic(), stages, first, tpot, ctx.charge.prompt_tokens, status < 400, delivery.gaps),
             )
+        prompt, completion = _tokens(ctx)
+        if self.usage is not None and tenant is not None and kind != "none" and status:
+            self.usage.record(tenant.name, served.model or ctx.model, served.via, prompt, completion)
         if self.tracing is not None:
             self.tracing.finish(ctx, total)
         if self.access_log:
             stage_text = ",".join(f"{name}:{seconds * 1000:.1f}" for name, seconds in (*stages.items(), *served.target_stages))
             access_log.info(
-                "%s %s %s tenant=%s model=%s via=%s upstream_id=%s ttft=%s total=%.1fms trace=%s stages=%s",
+                "%s %s %s tenant=%s model=%s via=%s upstream_id=%s ttft=%s total=%.1fms tokens=%s trace=%s stages=%s",
                 ctx.request_id.decode(),
                 ctx.api,
                 status,
@@ -70,6 +74,26 @@ class Observer:
                 served.upstream_request_id.decode() if served.upstream_request_id else "-",
                 "-" if ttft is None else f"{ttft * 1000:.1f}ms",
                 total * 1000,
+                _token_text(kind, prompt, completion),
                 ctx.trace.trace_id or "-",
                 stage_text,
             )
+
+
+def _tokens(ctx) -> tuple[int, int]:
+    """(prompt, completion) tokens of a finished request: its answer's usage, else the
+    prompt's estimate and, for a stream, the token events relayed; none for an error answer
+    that did not say."""
+    charge, delivery = ctx.charge, ctx.delivery
+    if charge.prompt_used is not None or charge.completion_used is not None:
+        return charge.prompt_used or 0, charge.completion_used or 0
+    if not delivery.status or delivery.status >= 400:
+        return 0, 0
+    parsed = ctx.parsed
+    return charge.prompt_tokens, delivery.tokens if parsed is not None and parsed.stream else 0
+
+
+def _token_text(kind: str, prompt: int, completion: int) -> str:
+    if kind == "none":
+        return "-"
+    return f"cached:{prompt + completion}" if kind == "cache" else f"prompt:{prompt},completion:{completion}"

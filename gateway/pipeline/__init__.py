@@ -5,7 +5,8 @@ exact-response cache on the gateway's path (``caching.py``), routing's decision 
 (``dispatch.py``: admission by predicted wait, fallbacks, hedging), the queue in front of
 every target (``queue.py``: priority classes, weighted fair queueing, deadlines) and the
 fleet (``fleet.py``: the pools, the edge engine, the GeoIP database, routing's table and
-live health, probes and model discovery).
+live health, probes and model discovery), and the fleet under a reloaded configuration
+(``refleet.py``).
 
 May import: ``gateway.engine``, ``gateway.replies``, ``gateway.upstream``,
 ``gateway.observe``, ``gateway.core``, ``routing``, ``cache``. Not admission (the request

@@ -72,9 +72,9 @@ class Lookup:
 
 
 class CacheLayer:
-    def __init__(self, config: CacheConfig, registry: CollectorRegistry) -> None:
+    def __init__(self, config: CacheConfig, registry: CollectorRegistry, metrics: CacheMetrics | None = None) -> None:
         self.config = config
-        self.metrics = CacheMetrics(registry=registry)
+        self.metrics = metrics if metrics is not None else CacheMetrics(registry=registry)  # a reload's new layer keeps the counters
         self.backend = cache.build(config, self.metrics)
         self.flights = cache.build_singleflight(config, self.metrics)
 

@@ -166,6 +166,12 @@ class Fleet:
         self.load: LoadPoller | None = None  # polls the servers' own load metrics
         self._tasks: set[asyncio.Task] = set()
         self._asked = asyncio.Event()  # a request named a model nobody listed (discover_soon)
+        # taken out by a reload, kept for the requests admitted before it (gateway.pipeline.refleet)
+        self.retired_upstreams: dict[str, Upstream] = {}
+        self.retired_queues: dict[str, TargetQueue] = {}
+        self.discovery: dict[ClusterPool, asyncio.Task] = {}  # each discovering cluster's task
+        self.probing: asyncio.Task | None = None
+        self.loading: asyncio.Task | None = None
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -221,22 +227,32 @@ class Fleet:
         for cluster in self.clusters:
             if cluster.discovers:
                 discovered = asyncio.Event()
-                self._spawn(self._discover(cluster, discovered))
+                self.discovery[cluster] = self._spawn(self._discover(cluster, discovered))
                 first.append(self._spawn(discovered.wait()))
         if first:
             # the usual case (healthy upstreams answering in milliseconds) is ready at once;
             # a dead or silent upstream delays start-up by at most this, then keeps trying
             await asyncio.wait(first, timeout=settings.limits.startup_wait_s)
-        if self.upstreams and self.routing.health.probe_path is not None:
-            self._spawn(self._probe_loop())
-        if self.upstreams:
-            self._spawn(self.load.run())  # polls only the servers whose load_source is known
+        self.start_loops()
+
+    def start_loops(self) -> None:
+        """The probe loop (with ``routing.health.probe_path``) and the load poller, when there
+        are endpoints and they are not running yet."""
+        if self.upstreams and self.routing.health.probe_path is not None and self.probing is None:
+            self.probing = self._spawn(self._probe_loop())
+        if self.upstreams and self.loading is None:
+            self.loading = self._spawn(self.load.run())  # polls only the servers whose load_source is known
+
+    def spawn(self, coro) -> asyncio.Task:
+        """A background task of the fleet's, cancelled at ``aclose``."""
+        return self._spawn(coro)
 
     async def aclose(self) -> None:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await asyncio.gather(*(u.aclose() for u in self.upstreams.values()), return_exceptions=True)
+        upstreams = [*self.upstreams.values(), *self.retired_upstreams.values()]
+        await asyncio.gather(*(u.aclose() for u in upstreams), return_exceptions=True)
         if self.edge is not None:
             await self.edge.aclose()
         if self.geo is not None:
@@ -247,6 +263,9 @@ class Fleet:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+    def build_table(self) -> None:
+        self._build_table()
 
     def _build_table(self) -> None:
         edge_model = self.edge.model_name if self.edge is not None else None
@@ -279,8 +298,11 @@ class Fleet:
 
     async def _probe_loop(self) -> None:
         """Active health checks: probe what ``HealthState`` says is due, record the result."""
-        config = self.routing.health
         while True:
+            config = self.routing.health  # a reload may change it
+            if config.probe_path is None:
+                self.probing = None
+                return
             now = time.monotonic()
             for url in self.health.endpoints_to_probe(now):
                 if url in self.upstreams:
@@ -352,7 +374,9 @@ class Fleet:
     # -- opening one target ----------------------------------------------------------
 
     def queue(self, target: Target) -> TargetQueue:
-        return self.queues["edge" if target.kind is TargetKind.EDGE else target.endpoint]
+        name = "edge" if target.kind is TargetKind.EDGE else target.endpoint
+        queue = self.queues.get(name)
+        return queue if queue is not None else self.retired_queues[name]  # a decision made before a reload
 
     async def open_target(self, target: Target, parsed: ParsedRequest, ctx: RequestContext, deadline: Deadline) -> Reply:
         """Send ``parsed`` to ``target`` (its slot taken); the reply as soon as its status and
@@ -371,7 +395,7 @@ class Fleet:
             # the answer's id in OpenAI's form (chatcmpl-..., cmpl-...), the request id inside it
             answer_id = ("chatcmpl-" if parsed.kind == CHAT else "cmpl-") + ctx.request_id.decode()
             return await self.edge.reply(parsed.kind, parsed.data, answer_id, limits.keepalive_interval_s, ctx.tenant.rank, deadline)
-        upstream = self.upstreams[target.endpoint]
+        upstream = self.upstreams.get(target.endpoint) or self.retired_upstreams[target.endpoint]
         parsed = compat_fields(parsed, upstream.settings.compat)
         forward = [*_request_id(upstream.settings.request_id, ctx), *ctx.forward]
         budget = deadline.header(now)

@@ -16,7 +16,8 @@ import time
 
 import orjson
 
-from cache import FlightAborted, usage_fields
+from cache import Entry, FlightAborted, usage_fields
+from cache.replay import usage_of
 from gateway.core.context import RequestContext
 from gateway.core.deadline import Deadline
 from gateway.core.errors import UpstreamTimeout
@@ -55,6 +56,7 @@ class Pipeline:
                     answer.x_cache = HIT
                     answer.target_kind = "cache"
                     answer.age = int(entry.age(time.time()))
+                    _note_saved(ctx, entry)
                     answer.route = b"target=cache; model=" + parsed.model.encode("ascii", "replace") + b"; why=exact-response cache hit"
                     return answer
             if lookup.plan.only_if_cached:
@@ -88,6 +90,7 @@ class Pipeline:
         opened = await self.dispatcher.open(decision, sent, ctx)
         reply = answer.reply = opened.reply
         answer.target_kind = opened.target.kind.value
+        ctx.served.model = opened.target.model
         if opened.target.kind is TargetKind.EDGE:
             timing.engine(opened.queued)
         else:
@@ -144,6 +147,16 @@ class Pipeline:
             body = orjson.dumps(data)
         note = "" if mean is None else f"; cascade-kept (edge mean logprob {mean:.2f})"
         return ReplayReply(body, None, label="edge"), note.encode()
+
+
+def _note_saved(ctx: RequestContext, entry: Entry) -> None:
+    """A cache hit's stored usage: the tokens it saved (the tenant's usage counts them as cached)."""
+    usage = usage_of(entry)
+    if isinstance(usage, dict):
+        for field, name in (("prompt_used", "prompt_tokens"), ("completion_used", "completion_tokens")):
+            value = usage.get(name)
+            if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+                setattr(ctx.charge, field, value)
 
 
 def _route_header(decision: RouteDecision) -> bytes:

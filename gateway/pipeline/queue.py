@@ -119,6 +119,19 @@ class TargetQueue:
         self._grow = 0.0
         self._last_cut = 0.0
 
+    def reconfigure(self, limit: int | None, *, adaptive: bool, max_limit: int | None, ageing_s: float, max_queue: int) -> None:
+        """New settings (a reload); requests in flight and waiting keep their places, and a
+        higher limit starts waiting ones at once."""
+        was_adaptive, self.adaptive = self.adaptive, adaptive
+        self.max_limit = max_limit or limit
+        if adaptive and self.max_limit:  # an adaptive limit keeps what it learnt, under the new cap
+            self.limit = min(self.limit or 16, self.max_limit) if was_adaptive else min(16, self.max_limit)
+        else:
+            self.limit = limit
+        self.ageing_s = ageing_s
+        self.max_queue = max_queue
+        self._hand_on(time.monotonic())
+
     # -- what is known ---------------------------------------------------------------
 
     @property

@@ -21,7 +21,7 @@ from gateway.core.sse import DONE, error_event, sse_events, sse_payloads
 from gateway.observe import Series
 from gateway.replies import Answer
 
-__all__ = ["Meter", "measured", "usage_tokens"]
+__all__ = ["Meter", "measured", "note_usage", "usage_tokens"]
 
 # a finish_reason that is a string (JSON written with or without spaces), or an error event
 _FINISHED = re.compile(rb'"finish_reason"\s*:\s*"|data:\s*\{\s*"error"')
@@ -161,11 +161,26 @@ def _take_usage(ctx: RequestContext, events: bytes, hide: bool) -> bytes:
     kept = []
     for payload in payloads:
         if payload != b"[DONE]" and is_usage_chunk(payload):
-            ctx.charge.usage = usage_tokens(orjson.loads(payload))
+            note_usage(ctx, orjson.loads(payload))
             if hide:
                 continue
         kept.append(payload)
     return sse_events(kept) if len(kept) < len(payloads) else events
+
+
+def note_usage(ctx: RequestContext, answer: dict) -> None:
+    """Note an answer's (or usage chunk's) ``usage`` in ``ctx.charge``: its total for the
+    tenant's token rate, its prompt and completion tokens for the tenant's usage."""
+    charge = ctx.charge
+    charge.usage = usage_tokens(answer)
+    usage = answer.get("usage") if isinstance(answer, dict) else None
+    if isinstance(usage, dict):
+        charge.prompt_used = _count(usage.get("prompt_tokens"))
+        charge.completion_used = _count(usage.get("completion_tokens"))
+
+
+def _count(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 def usage_tokens(answer: dict) -> int | None:

@@ -16,7 +16,7 @@ from gateway.core.errors import GatewayError, Overloaded
 from gateway.core.sse import DONE, PING, error_event, sse_payloads, ws_error
 from gateway.core.timeouts import Watch, watchdog
 from gateway.observe import Series
-from gateway.relay.meter import Meter, measured, usage_tokens
+from gateway.relay.meter import Meter, measured, note_usage
 from gateway.relay.splice import Splice
 from gateway.replies import Answer
 
@@ -83,7 +83,7 @@ async def respond_json(send, ctx: RequestContext, answer: Answer, series: Series
         await answer.recorder.finish(ok)
     if ok and ctx.wants_usage:
         try:
-            ctx.charge.usage = usage_tokens(orjson.loads(data))
+            note_usage(ctx, orjson.loads(data))
         except orjson.JSONDecodeError:
             pass
     headers = _headers(ctx, answer)

@@ -348,3 +348,60 @@ def test_rendered_deployment_runs_under_podman_kube_play(podman, helm, image, re
         for pod in reversed(pods):
             run(podman, "pod", "rm", "--force", pod, check=False)
         run(podman, "secret", "rm", secret["metadata"]["name"], check=False)
+
+
+ADMIN = ["--set", "admin.port=9090", "--set", "admin.keys={adm-test-1,adm-test-2}", "--set", "tenantKeysAsFiles=true", "--set", "rollOnConfigChange=false"]
+
+
+def test_admin_port_admin_keys_and_tenant_keys_as_files_for_live_reload(helm, tmp_path):
+    """``admin.port``/``admin.keys`` (listen.admin, admin.keys_file) and ``tenantKeysAsFiles``
+    with ``rollOnConfigChange: false``: keys and configuration are files the gateway reloads
+    live, and nothing rolls the pods when they change."""
+    docs = render(helm, "-f", str(EVERYTHING), *ADMIN)
+    monitors = [d for d in docs if d["apiVersion"] == "monitoring.coreos.com/v1"]
+    kubernetes_validate([d for d in docs if d not in monitors], tmp_path)
+    result = validate_servicemonitors(monitors, tmp_path)
+    assert result.returncode == 0 and result.stdout.count("PASS") == 1, result.stdout + result.stderr
+    deployment = find(docs, "Deployment", "t-edgegw")
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert {"name": "admin", "containerPort": 9090, "protocol": "TCP"} in container["ports"]
+    annotations = deployment["spec"]["template"]["metadata"].get("annotations") or {}
+    assert "checksum/config" not in annotations and "checksum/keys" not in annotations  # reloaded, not rolled
+    config = gateway_config(docs)
+    assert config["listen"]["admin"] == {"port": 9090}
+    assert config["admin"] == {"keys_file": "/etc/edgegw-admin/keys"}
+    assert [t["keys_file"] for t in config["tenants"]] == ["/etc/edgegw-keys/EDGEGW_KEYS_ACME", "/etc/edgegw-keys/EDGEGW_KEYS_GLOBEX_EU"]
+    assert not any("keys_env" in t for t in config["tenants"]) and "EDGEGW_KEYS_ACME" not in json.dumps(container.get("env", []))
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    assert mounts["/etc/edgegw-keys"] == "tenant-keys" and mounts["/etc/edgegw-admin"] == "admin-keys"
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    sources = [s["secret"] for s in volumes["tenant-keys"]["projected"]["sources"]]
+    assert sources == [
+        {"name": "t-edgegw-keys", "items": [{"key": "EDGEGW_KEYS_ACME", "path": "EDGEGW_KEYS_ACME"}]},
+        {"name": "globex-keys", "items": [{"key": "keys", "path": "EDGEGW_KEYS_GLOBEX_EU"}]},
+    ]
+    admin_secret = find(docs, "Secret", "t-edgegw-admin")
+    assert base64.b64decode(admin_secret["data"]["keys"]).decode() == "adm-test-1,adm-test-2"
+    assert "adm-test" not in json.dumps(find(docs, "ConfigMap"))
+    # the ServiceMonitor scrapes the admin Service's port with the first key; the API's Service has no admin port
+    admin_service = find(docs, "Service", "t-edgegw-admin")
+    labels = admin_service["metadata"]["labels"]
+    (monitor,) = monitors
+    assert labels | monitor["spec"]["selector"]["matchLabels"] == labels
+    api_labels = find(docs, "Service", "t-edgegw")["metadata"]["labels"]
+    assert api_labels | monitor["spec"]["selector"]["matchLabels"] != api_labels
+    assert monitor["spec"]["endpoints"][0]["port"] == admin_service["spec"]["ports"][0]["name"] == "admin"
+    assert monitor["spec"]["endpoints"][0]["authorization"]["credentials"] == {"name": "t-edgegw-admin", "key": "scrape"}
+    assert [p["port"] for p in find(docs, "Service", "t-edgegw")["spec"]["ports"]] == [8000]
+    policy = find(docs, "NetworkPolicy", "t-edgegw")
+    assert [r["ports"][0]["port"] for r in policy["spec"]["ingress"]] == ["http", "admin"]
+    # the gateway accepts the rendered configuration (with the mounted files made here)
+    text = find(docs, "ConfigMap")["data"]["config.yaml"]
+    for path in ("/etc/edgegw-admin/keys", "/etc/edgegw-keys/EDGEGW_KEYS_ACME", "/etc/edgegw-keys/EDGEGW_KEYS_GLOBEX_EU"):
+        local = tmp_path / path.rsplit("/", 1)[1]
+        local.write_text("k-1\n")
+        text = text.replace(path, str(local))
+    (tmp_path / "config.yaml").write_text(text)
+    out = run(sys.executable, "-m", "gateway", "check-config", str(tmp_path / "config.yaml"), env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert ": ok" in out.stdout

@@ -99,7 +99,13 @@ app.kubernetes.io/component: redis
 {{- end }}
 {{- $config := mustMergeOverwrite (dict) $defaults (deepCopy (.Values.config | default dict)) }}
 {{- $listen := mustMergeOverwrite (dict) (get $config "listen" | default dict) (dict "host" "0.0.0.0" "port" (int .Values.gateway.port) "workers" (int (include "edgegw.workers" .))) }}
+{{- if .Values.admin.port }}
+{{- $_ := set $listen "admin" (dict "port" (int .Values.admin.port)) }}
+{{- end }}
 {{- $_ := set $config "listen" $listen }}
+{{- if or .Values.admin.keys .Values.admin.existingSecret }}
+{{- $_ := set $config "admin" (mustMergeOverwrite (dict) (get $config "admin" | default dict) (dict "keys_file" "/etc/edgegw-admin/keys")) }}
+{{- end }}
 {{- $limits := mustMergeOverwrite (dict) (get $config "limits" | default dict) (dict "drain_timeout_s" .Values.drain.timeoutSeconds) }}
 {{- $_ := set $config "limits" $limits }}
 {{- $edge := mustMergeOverwrite (dict) (get $config "edge" | default dict) (dict "enabled" .Values.edge.enabled) }}
@@ -127,7 +133,11 @@ app.kubernetes.io/component: redis
 {{- $tenants := list }}
 {{- range .Values.tenants }}
 {{- $tenant := omit . "keys" "existingSecret" }}
+{{- if $.Values.tenantKeysAsFiles }}
+{{- $_ := set $tenant "keys_file" (printf "/etc/edgegw-keys/%s" (include "edgegw.keysEnv" .name)) }}
+{{- else }}
 {{- $_ := set $tenant "keys_env" (include "edgegw.keysEnv" .name) }}
+{{- end }}
 {{- $tenants = append $tenants $tenant }}
 {{- end }}
 {{- if $tenants }}
