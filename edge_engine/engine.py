@@ -69,7 +69,8 @@ class EngineStats:
 
     model: str
     device: str
-    dtype: str
+    dtype: str  # the mode it runs (what edge.dtype: auto picked)
+    dtype_reason: str  # why that mode: the configured dtype, and the kernels' state or ISA
     max_model_len: int
     num_waiting: int  # queue depth
     num_running: int
@@ -168,6 +169,8 @@ class Engine:
             max_model_len=self.max_model_len,
         )
         del loaded
+        log = logger.warning if self.runner.dtype_reason.startswith("auto: float32, not int4") else logger.info
+        log("edge engine %s on %s: dtype %s (%s)", self.model_name, self.device, self.runner.dtype_name, self.runner.dtype_reason)
         self.block_manager = BlockManager(self.num_kv_blocks, self.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager,
@@ -566,6 +569,7 @@ class Engine:
             model=self.model_name,
             device=str(self.device),
             dtype=self.runner.dtype_name,
+            dtype_reason=self.runner.dtype_reason,
             max_model_len=self.max_model_len,
             num_waiting=self.scheduler.num_waiting + len(self._pending_adds),
             num_running=self.scheduler.num_running,
