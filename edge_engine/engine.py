@@ -51,12 +51,13 @@ from .errors import (
 from .kv_cache import available_memory_bytes, kv_bytes_per_block
 from .loader import load_model
 from .runner import ModelRunner, resolve_dtypes
+from .runner import describe_dtype as _describe_dtype
 from .sampling import SampleResult, SamplingParams
 from .scheduler import Scheduler
 from .sequence import Delta, Priority, Sequence, StageTimes
 from .tokenizer import IncrementalDetokenizer
 
-__all__ = ["Engine", "EngineStats"]
+__all__ = ["Engine", "EngineStats", "describe_dtype"]
 
 logger = logging.getLogger("edge_engine")
 
@@ -104,6 +105,13 @@ def _resolve_device(name: str) -> torch.device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("device: CUDA was asked for but torch.cuda.is_available() is False")
     return torch.device(name)
+
+
+def describe_dtype(config: EngineConfig) -> tuple[str, str]:
+    """(the mode an engine built from ``config`` would run, why), without loading the model:
+    what ``edgegw check-config`` says of ``edge.dtype``.  Raises ValueError as ``Engine``
+    would for a mode the device cannot run."""
+    return _describe_dtype(config.dtype, _resolve_device(config.device))
 
 
 def _on_fresh_thread(fn, *args, **kwargs):

@@ -34,7 +34,20 @@ class ModelsApp:
 
     async def __call__(self, scope, receive, send) -> None:
         data = [{"id": m, "object": "model", "created": 0, "owned_by": c} for m, c in self.fleet.models()]
+        edge = edge_mode(self.fleet)
+        for entry in data:
+            if entry["owned_by"] == "edge" and edge is not None:
+                entry["metadata"] = edge  # the edge engine's mode (what edge.dtype: auto picked)
         await _send_json(send, 200, {"object": "list", "data": data}, [(b"x-request-id", request_id_of(scope["headers"]))])
+
+
+def edge_mode(fleet: Fleet) -> dict | None:
+    """The edge engine's mode and why (``edge.dtype: auto``'s pick), from its stats; None
+    without an engine, or before an engine process has answered."""
+    snapshot = fleet.edge.snapshot() if fleet.edge is not None else None
+    if not snapshot or "dtype" not in snapshot:
+        return None
+    return {"dtype": snapshot["dtype"], "dtype_reason": snapshot.get("dtype_reason", ""), "device": snapshot.get("device")}
 
 
 class HealthzApp:
@@ -51,14 +64,16 @@ class ReadyzApp:
 
     async def __call__(self, scope, receive, send) -> None:
         gateway = self.gateway
+        edge = edge_mode(gateway.fleet) if gateway.started else None
+        extra = {"edge": edge} if edge is not None else {}
         if gateway.gate.draining:
-            await _send_json(send, 503, {"status": "draining"})
+            await _send_json(send, 503, {"status": "draining", **extra})
         elif gateway.gate.shedding:
-            await _send_json(send, 503, {"status": "shedding"})
+            await _send_json(send, 503, {"status": "shedding", **extra})
         elif gateway.started and gateway.fleet.is_ready():
-            await _send_json(send, 200, {"status": "ready"})
+            await _send_json(send, 200, {"status": "ready", **extra})
         else:
-            await _send_json(send, 503, {"status": "not ready"})
+            await _send_json(send, 503, {"status": "not ready", **extra})
 
 
 class JSONApp:

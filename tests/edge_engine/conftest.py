@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from edge_engine import Engine, EngineConfig, kernels
+from edge_engine import Engine, EngineConfig
 from tests.edge_engine.tiny import build_tiny_model
 
 
@@ -64,10 +64,3 @@ def smollm_engine():
     """The real SmolLM2-135M-Instruct, float32 on the CPU (its step thread is started per test)."""
     return Engine(EngineConfig(dtype="float32", num_kv_blocks=256, max_num_batched_tokens=256))
 
-
-@pytest.fixture(scope="session")
-def built_kernels() -> str:
-    """The compiled kernels (``edgegw build-kernels``' work; nothing to do when up to date).
-    Where the compiler is missing this fails with ``KernelBuildError``'s message, which says
-    what to install: the int4 tests are not skipped."""
-    return kernels.build()

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType, quants
 
-from edge_engine import SamplingParams, kernels
+from edge_engine import EngineConfig, SamplingParams, kernels
 from edge_engine.model import Int4Linear, Int8Linear, RescoredOutput
 from edge_engine.runner import resolve_dtype
 from tests.edge_engine.conftest import make_engine
@@ -259,10 +259,11 @@ def test_the_quantised_modes_read_a_fraction_of_float32s_bytes(tiny_q4_gguf):
 
 # -- config ---------------------------------------------------------------------------------
 def test_dtype_resolution():
+    assert EngineConfig(dtype="int4-a8").dtype == "int4-a8"
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_dtype("auto", cpu) == "int4"  # the kernels build here
     assert resolve_dtype("auto", cuda) == "bf16"
-    for dtype in ("int8", "int4"):
+    for dtype in ("int8", "int4", "int4-a8"):
         assert resolve_dtype(dtype, cpu) == dtype
         with pytest.raises(ValueError, match="CPU mode"):
             resolve_dtype(dtype, cuda)
@@ -291,6 +292,8 @@ def float32_answers(tiny_q4_gguf):
         pytest.param("int4", 0.96, id="int4"),
         # int8 re-quantises them per channel and rounds decode activations to bf16
         pytest.param("int8", 0.3, id="int8"),
+        # int4-a8 rounds every linear layer's activations to 8 bits per 32 (llama.cpp's trade)
+        pytest.param("int4-a8", 0.0, id="int4-a8"),
     ],
 )
 async def test_answers_hold_against_float32(tiny_q4_gguf, float32_answers, dtype, min_identical):
@@ -299,3 +302,29 @@ async def test_answers_hold_against_float32(tiny_q4_gguf, float32_answers, dtype
     result = agreement(outputs, reference)
     assert result.share_identical >= min_identical, result.as_dict()
     assert abs(ppl / reference_ppl - 1) < 0.02, (ppl, reference_ppl)
+
+
+# -- the mode auto picks, in the start-up log ------------------------------------------------
+_START = """
+import logging, sys
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+from edge_engine import Engine, EngineConfig
+engine = Engine(EngineConfig(model=sys.argv[1], dtype="auto", num_kv_blocks=16, block_size=4))
+print("runs", engine.runner.dtype_name)
+"""
+
+
+def test_the_start_up_log_says_which_mode_auto_picked_and_why(tiny_q4_gguf, tmp_path):
+    built = subprocess.run([sys.executable, "-c", _START, tiny_q4_gguf], capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr
+    assert "runs int4" in built.stdout
+    assert "INFO edge engine " in built.stderr and "dtype int4 (auto: int4 on the CPU (kernels: " in built.stderr
+    # never built here: float32, with a warning that says why and what to run (nothing compiles)
+    bare = subprocess.run(
+        [sys.executable, "-c", _START, tiny_q4_gguf], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)},
+    )
+    assert bare.returncode == 0, bare.stderr
+    assert "runs float32" in bare.stdout
+    assert "WARNING edge engine" in bare.stderr and "run `edgegw build-kernels`" in bare.stderr, bare.stderr
+    assert list(tmp_path.iterdir()) == []
