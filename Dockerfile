@@ -94,8 +94,9 @@ RUN set -eu; \
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends g++ $extra >/dev/null; \
     rm -rf /var/lib/apt/lists/*
 
-# Where the kernels are built and found: TORCH_EXTENSIONS_DIR, and torch's default extension
-# root ($XDG_CACHE_HOME/torch_extensions), which edge_engine.kernels reads today, agree.
+# Where the kernels are built and found: TORCH_EXTENSIONS_DIR (edge_engine.kernels honours it;
+# torch's default root, $XDG_CACHE_HOME/torch_extensions, agrees). The build is portable: one
+# copy per instruction set, the best one this machine's CPU has picked when a node loads it.
 ENV XDG_CACHE_HOME=/opt/edgegw
 # The kernels depend on edge_engine alone: compiled here first, they are not compiled again
 # when only the gateway changes (the step after the install finds them built).
@@ -123,9 +124,8 @@ COPY . /src
 RUN pip install --no-deps --no-build-isolation /src \
  && rm -rf /src \
  && edgegw check-config /dev/null >/dev/null
-# The compiled kernels, at the same path. The gateway's user owns them: torch's loader takes
-# a lock file in the build directory (it compiles nothing: ninja finds the build up to date,
-# and the compiler check it would warn about is skipped).
+# The compiled kernels, at the same path: a node loads the built module and never compiles
+# (no compiler here; `edgegw check-config` and /readyz say which mode edge.dtype: auto picked).
 ENV XDG_CACHE_HOME=/opt/edgegw \
     TORCH_DONT_CHECK_COMPILER_ABI=1
 COPY --from=builder --chown=edgegw:edgegw /opt/edgegw /opt/edgegw

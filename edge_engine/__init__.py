@@ -30,6 +30,7 @@ __all__ = [
     "Priority",
     "SamplingParams",
     "default_model_path",
+    "describe_dtype",
 ]
 
 _WHERE = {
@@ -48,11 +49,12 @@ _WHERE = {
     "Priority": "sequence",
     "SamplingParams": "sampling",
     "default_model_path": "config",
+    "describe_dtype": "engine",
 }
 
 if TYPE_CHECKING:
     from .config import EngineConfig, ModelConfig, default_model_path
-    from .engine import Engine, EngineStats
+    from .engine import Engine, EngineStats, describe_dtype
     from .errors import DeadlineExceededError, EngineClosedError, EngineError, EngineOverloadedError, InvalidRequestError
     from .sampling import SamplingParams
     from .sequence import Delta, Priority

@@ -35,9 +35,10 @@ class EngineConfig:
     model: str | None = None
     # name served on /v1/models; None = derived from the model file or directory name
     model_name: str | None = None
-    # "auto" (bf16 on CUDA; on CPU int4, or float32 where int4's kernels cannot be compiled),
+    # "auto" (bf16 on CUDA; on CPU int4, or float32 where int4's kernels are not built),
     # "float32", "bf16" (on CPU: bf16 weights, float32 activations and output layer), or the
-    # CPU weight-only modes "int8" (per-channel scales) and "int4" (Q4_1 grid, compiled kernels)
+    # CPU weight-only modes "int8" (per-channel scales), "int4" (Q4_1 grid, float32
+    # activations) and "int4-a8" (Q4_1 grid, 8-bit activations); int4* need `edgegw build-kernels`
     dtype: str = "auto"
     # "auto" (cuda when available, else cpu), "cpu", "cuda" or "cuda:N"
     device: str = "auto"
@@ -69,8 +70,8 @@ class EngineConfig:
     stats_window: int = 128
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("auto", "float32", "fp32", "bf16", "bfloat16", "int8", "int4"):
-            raise ValueError(f"dtype must be auto, float32, bf16, int8 or int4, not {self.dtype!r}")
+        if self.dtype not in ("auto", "float32", "fp32", "bf16", "bfloat16", "int8", "int4", "int4-a8"):
+            raise ValueError(f"dtype must be auto, float32, bf16, int8, int4 or int4-a8, not {self.dtype!r}")
         if self.dtype == "fp32":
             self.dtype = "float32"
         if self.dtype == "bfloat16":

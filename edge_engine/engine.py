@@ -51,12 +51,13 @@ from .errors import (
 from .kv_cache import available_memory_bytes, kv_bytes_per_block
 from .loader import load_model
 from .runner import ModelRunner, resolve_dtypes
+from .runner import describe_dtype as _describe_dtype
 from .sampling import SampleResult, SamplingParams
 from .scheduler import Scheduler
 from .sequence import Delta, Priority, Sequence, StageTimes
 from .tokenizer import IncrementalDetokenizer
 
-__all__ = ["Engine", "EngineStats"]
+__all__ = ["Engine", "EngineStats", "describe_dtype"]
 
 logger = logging.getLogger("edge_engine")
 
@@ -69,7 +70,8 @@ class EngineStats:
 
     model: str
     device: str
-    dtype: str
+    dtype: str  # the mode it runs (what edge.dtype: auto picked)
+    dtype_reason: str  # why that mode: the configured dtype, and the kernels' state or ISA
     max_model_len: int
     num_waiting: int  # queue depth
     num_running: int
@@ -103,6 +105,13 @@ def _resolve_device(name: str) -> torch.device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("device: CUDA was asked for but torch.cuda.is_available() is False")
     return torch.device(name)
+
+
+def describe_dtype(config: EngineConfig) -> tuple[str, str]:
+    """(the mode an engine built from ``config`` would run, why), without loading the model:
+    what ``edgegw check-config`` says of ``edge.dtype``.  Raises ValueError as ``Engine``
+    would for a mode the device cannot run."""
+    return _describe_dtype(config.dtype, _resolve_device(config.device))
 
 
 def _on_fresh_thread(fn, *args, **kwargs):
@@ -168,6 +177,8 @@ class Engine:
             max_model_len=self.max_model_len,
         )
         del loaded
+        log = logger.warning if self.runner.dtype_reason.startswith("auto: float32, not int4") else logger.info
+        log("edge engine %s on %s: dtype %s (%s)", self.model_name, self.device, self.runner.dtype_name, self.runner.dtype_reason)
         self.block_manager = BlockManager(self.num_kv_blocks, self.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager,
@@ -566,6 +577,7 @@ class Engine:
             model=self.model_name,
             device=str(self.device),
             dtype=self.runner.dtype_name,
+            dtype_reason=self.runner.dtype_reason,
             max_model_len=self.max_model_len,
             num_waiting=self.scheduler.num_waiting + len(self._pending_adds),
             num_running=self.scheduler.num_running,

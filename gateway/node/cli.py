@@ -1,9 +1,10 @@
-"""``edgegw serve | check-config | explain`` (also ``python -m gateway``).
+"""``edgegw serve | check-config | explain | bench | build-kernels`` (also ``python -m gateway``).
 
     edgegw serve --config configs/default.yaml
     edgegw serve --upstream http://127.0.0.1:8000 [--upstream URL ...] [--host H --port P] [--http2] [--cache memory]
     edgegw serve --model ./model.gguf
     edgegw check-config FILE
+    edgegw build-kernels [--verbose]   (compile the edge engine's CPU kernels for this machine)
     edgegw explain --config FILE --ip PEER [--header 'Name: value' ...] --body FILE [--json]
     edgegw reload [--pid-file FILE | --url ADMIN_URL | --config FILE] [--key-env NAME]
     edgegw bench --base-url URL [...]   (the load generator: loadgen/)
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib
 import logging
 import os
 import signal
@@ -97,11 +99,19 @@ def main(argv: list[str] | None = None) -> int:
 
     bench_cli.add_arguments(commands.add_parser("bench", help="measure any OpenAI-compatible server; gate on latency"))
 
+    kernels = commands.add_parser(
+        "build-kernels",
+        help="compile the edge engine's CPU kernels (int4 modes) for this installation, into TORCH_EXTENSIONS_DIR",
+    )
+    kernels.add_argument("--verbose", action="store_true", help="show the compiler's commands and output")
+
     args = parser.parse_args(argv)
     if args.command == "bench":
         return bench_cli.run(args, argv)
     if args.command == "check-config":
         return _check_config(args.file)
+    if args.command == "build-kernels":
+        return _build_kernels(args.verbose)
     if args.command == "explain":
         return _explain(args)
     if args.command == "reload":
@@ -117,6 +127,43 @@ def _check_config(path: str) -> int:
         return 1
     endpoints = sum(len(c.endpoints) for c in settings.clusters)
     print(f"{path}: ok ({len(settings.clusters)} cluster(s), {endpoints} endpoint(s))")
+    if settings.edge.enabled:
+        try:
+            mode, why = _edge_engine().describe_dtype(settings.edge.engine_config())
+        except ImportError as exc:  # a relay-only install: no torch
+            print(f"edge.dtype: {settings.edge.dtype} (the edge engine is not installed here: {exc})")
+        except ValueError as exc:
+            print(f"error: edge.dtype: {exc}", file=sys.stderr)
+            return 1
+        else:
+            print(f"edge.dtype: {settings.edge.dtype} -> {mode} ({why})")
+    return 0
+
+
+def _edge_engine():
+    """edge_engine, imported only by the commands that need it (it imports torch)."""
+    return importlib.import_module("edge_engine")
+
+
+def _build_kernels(verbose: bool) -> int:
+    """``edgegw build-kernels``: compile the edge engine's kernels now (``make install`` and
+    the container build run it), so that no node compiles them when it starts or serves."""
+    try:
+        kernels = importlib.import_module("edge_engine.kernels")
+    except ImportError as exc:
+        print(f"error: the edge engine is not installed ({exc}): pip install 'edgegw[engine]'", file=sys.stderr)
+        return 1
+    started = time.monotonic()
+    try:
+        path = kernels.build(verbose=verbose)
+    except kernels.KernelBuildError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    state = kernels.status()
+    if not state.available:
+        print(f"error: built in {path}, but {state.reason}", file=sys.stderr)
+        return 1
+    print(f"edge engine kernels: {path} ({time.monotonic() - started:.0f} s); this CPU runs {state.describe()}")
     return 0
 
 

@@ -63,3 +63,4 @@ async def tiny_engine(tiny_gguf):
 def smollm_engine():
     """The real SmolLM2-135M-Instruct, float32 on the CPU (its step thread is started per test)."""
     return Engine(EngineConfig(dtype="float32", num_kv_blocks=256, max_num_batched_tokens=256))
+

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType, quants
 
-from edge_engine import SamplingParams, kernels
+from edge_engine import EngineConfig, SamplingParams, kernels
 from edge_engine.model import Int4Linear, Int8Linear, RescoredOutput
 from edge_engine.runner import resolve_dtype
 from tests.edge_engine.conftest import make_engine
@@ -34,66 +34,129 @@ def q80(shape, seed=0) -> torch.Tensor:
 
 
 # -- kernels --------------------------------------------------------------------------------
-def test_the_kernels_build_here():
-    assert kernels.available()
+# Every test here needs the compiled kernels: the ``built_kernels`` fixture builds them (or
+# fails, saying what to install, where the compiler is missing).
+pytestmark = pytest.mark.usefixtures("built_kernels")
 
 
-def test_a_stale_build_lock_does_not_hang_the_next_start():
-    """A build killed half-way leaves torch's lock file behind; a later start must not wait
+def test_the_kernels_build_here_and_run_the_best_isa_this_cpu_has():
+    state = kernels.status()
+    assert state.available and state.path == kernels.build_directory(), state
+    best = next(isa for isa in ("avx512_vnni", "avxvnni", "avx2", "generic") if _cpu_has(isa))
+    assert state.isa == best, (state, best)
+
+
+def _cpu_has(isa: str) -> bool:
+    with open("/proc/cpuinfo") as f:
+        flags = f.read().split("\nflags", 1)[1].split("\n", 1)[0].split()
+    need = {
+        "avx512_vnni": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx2", "fma", "f16c"},
+        "avxvnni": {"avx_vnni", "avx2", "fma", "f16c"},
+        "avx2": {"avx2", "fma", "f16c"},
+        "generic": set(),
+    }[isa]
+    return need <= set(flags)
+
+
+def test_a_stale_build_lock_does_not_hang_the_next_build():
+    """A build killed half-way leaves torch's lock file behind; a later build must not wait
     on it for ever (it did: torch's FileBaton polls until the file goes)."""
-    assert kernels.available()
     lock = os.path.join(kernels.build_directory(), "lock")
     with open(lock, "w"):
         pass
     old = os.path.getmtime(lock) - 3600
     os.utime(lock, (old, old))
-    code = "from edge_engine import kernels; import sys; sys.exit(0 if kernels.available() else 1)"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    code = "from edge_engine import kernels; kernels.build(); assert kernels.available()"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert not os.path.exists(lock)
 
 
-def test_q4_and_q8_grids_recover_a_gguf_files_weights_exactly():
-    w4 = q41((96, 128))
-    assert torch.equal(kernels.unpack_q4(*kernels.pack_q4(w4)), w4)
-    assert torch.equal(kernels.q4_dequantize(*kernels.pack_q4(w4)), w4)
-    w8 = q80((96, 128))
-    assert torch.equal(kernels.unpack_q8(*kernels.pack_q8(w8)), w8)
+def test_q4_and_q8_grids_and_tiles_recover_a_gguf_files_weights_exactly():
+    for shape in [(96, 128), (40, 64)]:  # 40 rows: a last tile of 8
+        w4 = q41(shape)
+        q, scales, mins = kernels.pack_q4(w4)
+        assert torch.equal(kernels.unpack_q4(q, scales, mins), w4)
+        assert torch.equal(kernels.unpack_q4_tiles(*kernels.q4_tiles(q, scales, mins), shape[0]), w4)
+        assert torch.equal(Int4Linear(w4).dequantize(), w4)
+        w8 = q80(shape)
+        q8, s8 = kernels.pack_q8(w8)
+        assert torch.equal(kernels.unpack_q8(q8, s8), w8)
+        assert torch.equal(kernels.unpack_q8_tiles(*kernels.q8_tiles(q8, s8), shape[0]), w8)
     # other weights land within half a step of their group's grid
     w = torch.randn(64, 96)
-    packed, scales, mins = kernels.pack_q4(w)
+    q, scales, mins = kernels.pack_q4(w)
     step = scales.float().repeat_interleave(32, dim=1)
-    assert ((kernels.unpack_q4(packed, scales, mins) - w).abs() <= step / 2 + 1e-3 * step + 1e-6).all()
+    assert ((kernels.unpack_q4(q, scales, mins) - w).abs() <= step / 2 + 1e-3 * step + 1e-6).all()
 
 
-@pytest.mark.parametrize("rows", [1, 5, 16])
-@pytest.mark.parametrize(
-    ("out_features", "in_features"), [pytest.param(96, 128, id="96x128"), pytest.param(576, 1536, id="576x1536")]
-)
-def test_q4_and_q8_kernels_equal_a_float32_matmul_with_the_same_weights(rows, out_features, in_features):
-    torch.manual_seed(rows)
-    x = torch.randn(rows, in_features)
-    w4, w8 = q41((out_features, in_features)), q80((out_features, in_features))
-    got4 = kernels.q4_linear(x, *kernels.pack_q4(w4))
-    got8 = kernels.q8_linear(x, *kernels.pack_q8(w8))
-    torch.testing.assert_close(got4, x @ w4.T, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got8, x @ w8.T, rtol=1e-5, atol=1e-5)
+# Each instruction set's kernels against plain torch, in a process of its own (the table is
+# chosen once per process): float32 activations equal a float32 matmul on the same weights;
+# 8-bit activations equal the same matmul on the activations rounded as llama.cpp's Q8
+# (q = round(x / d), d = max|x| / 127 per 32 inputs; Q4_1's min term from the exact sums).
+_ISA_CHECK = """
+import sys, torch
+from edge_engine import kernels
+assert kernels.status().isa == sys.argv[1], kernels.status()
+
+def a8(x):
+    g = x.view(x.shape[0], -1, 32)
+    amax = g.abs().amax(-1, keepdim=True)
+    d = amax / 127
+    return (torch.round(g * torch.where(amax > 0, 127 / amax, 0)) * d).view_as(x), g.sum(-1)
+
+torch.manual_seed(0)
+for n, k in [(96, 128), (576, 1536), (40, 64), (400, 64)]:
+    w = torch.randn(n, k) * 0.1
+    q, s, m = kernels.pack_q4(w)
+    w4, t4 = kernels.unpack_q4(q, s, m), kernels.q4_tiles(q, s, m)
+    q8, s8 = kernels.pack_q8(w)
+    w8, t8 = kernels.unpack_q8(q8, s8), kernels.q8_tiles(q8, s8)
+    qs = kernels.unpack_q4(q, s, torch.zeros_like(m))  # q * scale
+    for rows in [1, 3, 16, 17, 100]:
+        x = torch.randn(rows, k)
+        torch.testing.assert_close(kernels.q4_linear(x, t4, n), x @ w4.T, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(kernels.q8_linear(x, t8, n), x @ w8.T, rtol=1e-5, atol=1e-4)
+        xq, sums = a8(x)
+        torch.testing.assert_close(kernels.q4_linear(x, t4, n, True), xq @ qs.T + sums @ m.float().T, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(kernels.q8_linear(x, t8, n, True), xq @ w8.T, rtol=1e-5, atol=1e-4)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("isa", ["avx512_vnni", "avxvnni", "avx2", "generic"])
+def test_every_instruction_sets_kernels_compute_their_arithmetic(isa):
+    if not _cpu_has(isa):
+        # a lower machine runs what it has; the request for a missing ISA falls back
+        result = subprocess.run(
+            [sys.executable, "-c", "from edge_engine import kernels; print(kernels.status().reason)"],
+            capture_output=True, text=True, timeout=120, env={**os.environ, "EDGE_ENGINE_ISA": isa},
+        )
+        assert "not available on this CPU" in result.stdout, result
+        return
+    result = subprocess.run(
+        [sys.executable, "-c", _ISA_CHECK, isa], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "EDGE_ENGINE_ISA": isa},
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
 
 
 def test_the_kernels_refuse_what_they_cannot_compute():
-    packed, scales, mins = kernels.pack_q4(q41((32, 64)))
-    with pytest.raises(RuntimeError, match="16 rows"):
-        kernels.q4_linear(torch.randn(17, 64), packed, scales, mins)
+    tiles = kernels.q4_tiles(*kernels.pack_q4(q41((32, 64))))
     with pytest.raises(RuntimeError, match="columns"):
-        kernels.q4_linear(torch.randn(1, 32), packed, scales, mins)
+        kernels.q4_linear(torch.randn(1, 32), tiles, 32)
+    with pytest.raises(RuntimeError, match="tiles"):
+        kernels.q4_linear(torch.randn(1, 64), tiles, 48)
+    with pytest.raises(RuntimeError, match="float32"):
+        kernels.q4_linear(torch.randn(1, 64).double(), tiles, 32)
 
 
 # -- layers ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("rows", [1, 16, 40, 100])
-def test_int4_linear_computes_the_same_weights_on_every_path(rows):
+def test_int4_linear_computes_the_files_weights_at_every_row_count(rows):
     w = q41((192, 64))
     layer = Int4Linear(w)
-    x = torch.randn(rows, 64)  # 1-16: one kernel call, 40: three, 100: dequantise + GEMM
+    x = torch.randn(rows, 64)  # decode rows, a step of 16, prefill chunks
     torch.testing.assert_close(layer(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
@@ -196,10 +259,11 @@ def test_the_quantised_modes_read_a_fraction_of_float32s_bytes(tiny_q4_gguf):
 
 # -- config ---------------------------------------------------------------------------------
 def test_dtype_resolution():
+    assert EngineConfig(dtype="int4-a8").dtype == "int4-a8"
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_dtype("auto", cpu) == "int4"  # the kernels build here
     assert resolve_dtype("auto", cuda) == "bf16"
-    for dtype in ("int8", "int4"):
+    for dtype in ("int8", "int4", "int4-a8"):
         assert resolve_dtype(dtype, cpu) == dtype
         with pytest.raises(ValueError, match="CPU mode"):
             resolve_dtype(dtype, cuda)
@@ -228,6 +292,8 @@ def float32_answers(tiny_q4_gguf):
         pytest.param("int4", 0.96, id="int4"),
         # int8 re-quantises them per channel and rounds decode activations to bf16
         pytest.param("int8", 0.3, id="int8"),
+        # int4-a8 rounds every linear layer's activations to 8 bits per 32 (llama.cpp's trade)
+        pytest.param("int4-a8", 0.0, id="int4-a8"),
     ],
 )
 async def test_answers_hold_against_float32(tiny_q4_gguf, float32_answers, dtype, min_identical):
@@ -236,3 +302,29 @@ async def test_answers_hold_against_float32(tiny_q4_gguf, float32_answers, dtype
     result = agreement(outputs, reference)
     assert result.share_identical >= min_identical, result.as_dict()
     assert abs(ppl / reference_ppl - 1) < 0.02, (ppl, reference_ppl)
+
+
+# -- the mode auto picks, in the start-up log ------------------------------------------------
+_START = """
+import logging, sys
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+from edge_engine import Engine, EngineConfig
+engine = Engine(EngineConfig(model=sys.argv[1], dtype="auto", num_kv_blocks=16, block_size=4))
+print("runs", engine.runner.dtype_name)
+"""
+
+
+def test_the_start_up_log_says_which_mode_auto_picked_and_why(tiny_q4_gguf, tmp_path):
+    built = subprocess.run([sys.executable, "-c", _START, tiny_q4_gguf], capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr
+    assert "runs int4" in built.stdout
+    assert "INFO edge engine " in built.stderr and "dtype int4 (auto: int4 on the CPU (kernels: " in built.stderr
+    # never built here: float32, with a warning that says why and what to run (nothing compiles)
+    bare = subprocess.run(
+        [sys.executable, "-c", _START, tiny_q4_gguf], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)},
+    )
+    assert bare.returncode == 0, bare.stderr
+    assert "runs float32" in bare.stdout
+    assert "WARNING edge engine" in bare.stderr and "run `edgegw build-kernels`" in bare.stderr, bare.stderr
+    assert list(tmp_path.iterdir()) == []
