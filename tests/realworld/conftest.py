@@ -37,7 +37,13 @@ def front_config(base: str, **endpoint) -> dict:
     return {
         "cache": {"backend": "off"},
         "clusters": [{"name": "central", "discovery_interval_s": GATEWAY_EVERY_S, "endpoints": [{"url": base, **endpoint}]}],
-        "routing": {"health": {"probe_path": "/v1/models", "probe_interval_s": GATEWAY_EVERY_S}},
+        "routing": {
+            "health": {"probe_path": "/v1/models", "probe_interval_s": GATEWAY_EVERY_S},
+            # the tests' clients send no budget and wait as long as it takes (the machine is
+            # shared): the default budget guides admission by predicted wait, and 2 s in front
+            # of a server taking one request at a time would turn concurrent ones away with 503
+            "policy": {"default_budget_ms": 120_000},
+        },
     }
 
 
@@ -84,9 +90,10 @@ def llama_server(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def llama_reference(tmp_path_factory):
-    """A second llama.cpp server, same model and flags, that no gateway probes: the one the
-    tests ask directly. The front gateway cannot know of a request sent around it, and its
-    probes would cut such a stream on the first server."""
+    """A second llama.cpp server, same model and flags, that the suite's gateway does not
+    probe: the one the tests ask directly, and the one a test's own gateway goes in front
+    of. A gateway cannot know of requests sent around it, so the suite's gateway's probes
+    would cut such a stream on ``llama_server``."""
     server = LlamaServer(tmp_path_factory.mktemp("llama-reference")).start()
     yield server
     server.stop()
@@ -113,9 +120,17 @@ def inner_gateway(engine_server, tmp_path_factory):
     gw.stop()
 
 
-def _engine_idle(engine: EngineServer) -> Callable[[object], bool]:
-    def stopped(_mark) -> bool:
+def _engine_finished(engine: EngineServer) -> Callable[[], object]:
+    return lambda: engine.stats()["num_requests_finished"]
+
+
+def _engine_dropped(engine: EngineServer) -> Callable[[object], bool]:
+    """Nothing runs or waits in the engine, and nothing finished since ``mark``: the sequence
+    was dropped (an aborted one is not counted as finished), not run to its end."""
+
+    def stopped(mark) -> bool:
         stats = engine.stats()
+        assert stats["num_requests_finished"] == mark, "the generation ran to its end"
         return stats["num_running"] == 0 and stats["num_waiting"] == 0
 
     return stopped
@@ -142,7 +157,7 @@ def _llama(server: LlamaServer, reference: LlamaServer) -> Target:
 def _engine(server: EngineServer) -> Target:
     gw = front_gateway(server.base)
     return Target(
-        "engine", server.base, gw, {"ignore_eos": True}, lambda: None, _engine_idle(server),
+        "engine", server.base, gw, {"ignore_eos": True}, _engine_finished(server), _engine_dropped(server),
         errors={
             "over_context_json": OVER_CONTEXT_ENGINE["json"],
             "over_context_stream": OVER_CONTEXT_ENGINE["stream"],
@@ -154,7 +169,7 @@ def _engine(server: EngineServer) -> Target:
 def _tier(inner: GatewayProcess, server: EngineServer) -> Target:
     gw = front_gateway(inner.url + "/v1")
     return Target(
-        "edgegw-tier", inner.url + "/v1", gw, {"ignore_eos": True}, lambda: None, _engine_idle(server),
+        "edgegw-tier", inner.url + "/v1", gw, {"ignore_eos": True}, _engine_finished(server), _engine_dropped(server),
         errors={
             "over_context_json": OVER_CONTEXT_ENGINE["json"],
             "over_context_stream": OVER_CONTEXT_ENGINE["stream"],

@@ -5,7 +5,11 @@
 - ``EngineServer``: the project's own engine server (``python -m edge_engine.server``).
 
 Each logs to a file (stdout and stderr together) that tests read as the server's own
-account of what it did; each is stopped by its PID.
+account of what it did; each is stopped by its PID. Both run OpenMP threads, which spin
+while they wait by default: on a shared 2-core machine that makes a 6-token answer take
+seconds instead of milliseconds (FACTS-style figures measured here under a load of 11: five
+such answers 44 s spinning, 3 s with ``OMP_WAIT_POLICY=PASSIVE``), so they get PASSIVE unless
+the environment says otherwise.
 """
 
 from __future__ import annotations
@@ -40,15 +44,16 @@ class _Server:
         with self.log.open("wb") as log:
             self.proc = subprocess.Popen(
                 argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                env={"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "PYTHONUNBUFFERED": "1"},
             )  # fmt: skip
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
-    def start(self, timeout: float = 180) -> _Server:
-        """Wait until it lists its model (loading it takes seconds; more on a busy machine)."""
+    def start(self, timeout: float = 600) -> _Server:
+        """Wait until it lists its model (loading it takes seconds; more on a busy machine, and
+        the engine compiles its int4 kernels the first time on a machine: a minute or more)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -98,14 +103,15 @@ class LlamaServer(_Server):
 
 
 class EngineServer(_Server):
-    """``python -m edge_engine.server`` on the same model in float32 (the reference mode:
-    no kernels to compile), two threads, a 512-token context."""
+    """``python -m edge_engine.server`` on the same model, its CPU default (int4 on the
+    file's own Q4_1 weights, float32's answers; float32 where its kernels cannot be built),
+    two threads, a 512-token context."""
 
     name = "edge-engine"
 
     def __init__(self, folder: Path, *, threads: int = 2) -> None:
         argv = [
-            sys.executable, "-m", "edge_engine.server", "--dtype", "float32", "--model-name", MODEL,
+            sys.executable, "-m", "edge_engine.server", "--dtype", "auto", "--model-name", MODEL,
             "--threads", str(threads), "--max-model-len", str(N_CTX),
         ]  # fmt: skip
         super().__init__(argv, folder)

@@ -48,8 +48,9 @@ def test_the_same_answer_direct_and_through_the_gateway(target, kind, stream):
     body = request(kind, PROMPTS[kind], stream=stream)
     # each way once first, so that the two compared find the server's prefix cache alike
     # (llama.cpp's greedy text differs between a cold prompt and a cached one)
-    assert ask(target.direct, kind, body).status == 200
-    assert ask(target.base, kind, body).status == 200
+    warm = {**body, "max_tokens": 1}
+    assert ask(target.direct, kind, warm).status == 200
+    assert ask(target.base, kind, warm).status == 200
     direct = ask(target.direct, kind, body)
     through = ask(target.base, kind, body)
     assert direct.status == through.status == 200
@@ -65,8 +66,9 @@ def test_the_same_answer_direct_and_through_the_gateway(target, kind, stream):
 
 def test_a_client_that_leaves_mid_stream_stops_the_generation(target):
     """The client reads three tokens of a long answer and leaves: the upstream itself says it
-    stopped (llama.cpp's server logs the disconnect; the engine server, behind one gateway or
-    two, has nothing running any more) long before the 400 tokens it was asked for."""
+    stopped before the 400 tokens it was asked for: llama.cpp's server logs that it stopped a
+    stream early; the engine server, behind one gateway or two, dropped the sequence (nothing
+    runs, and nothing finished: an aborted sequence is not counted as finished)."""
     mark = target.mark()
     body = request("chat", "Tell me a long story about a dragon.", stream=True, max_tokens=400, **target.long)
     tokens = 0
@@ -123,15 +125,15 @@ def test_a_bad_parameter_reaches_the_client_openai_shaped_and_ejects_nothing(tar
 
 
 def test_concurrent_streams_and_the_gateways_own_traffic_never_disturb_each_other(target):
-    """Four streams at once, while the gateway probes and lists the upstream every 0.2 s: each
+    """Three streams at once, while the gateway probes and lists the upstream every 0.2 s: each
     runs to its length (no end of sequence is allowed), none is cut, and the probes go on
     once they are done."""
-    body = lambda text: request("chat", text, stream=True, max_tokens=12, **target.long)  # noqa: E731
-    prompts = ["Name a colour.", "Name a fruit.", "Name a city.", "Name an animal."]
+    body = lambda text: request("chat", text, stream=True, max_tokens=8, **target.long)  # noqa: E731
+    prompts = ["Name a colour.", "Name a fruit.", "Name a city."]
     with ThreadPoolExecutor(len(prompts)) as pool:
         answers = list(pool.map(lambda text: ask(target.base, "chat", body(text)), prompts))
     for answer in answers:
         assert answer.status == 200 and answer.error is None, answer.error
-        assert answer.done and answer.finish == "length" and answer.chunks >= 6
+        assert answer.done and answer.finish == "length" and answer.chunks >= 4
     after = target.probed_at() or 0.0
     wait_until(lambda: (target.probed_at() or 0.0) > after, 20, "a probe after the streams")
