@@ -16,11 +16,21 @@ from tests.realworld.servers import MODEL
 MESSAGES = [{"role": "user", "content": "Name a colour."}]
 
 
-def sdk(base: str, max_retries: int = 0) -> openai.OpenAI:
-    return openai.OpenAI(base_url=base, api_key="unused", max_retries=max_retries, timeout=120)
+@pytest.fixture
+def sdk():
+    """``sdk(base, max_retries=0)``: an ``openai.OpenAI`` client, closed after the test."""
+    clients = []
+
+    def make(base: str, max_retries: int = 0) -> openai.OpenAI:
+        clients.append(openai.OpenAI(base_url=base, api_key="unused", max_retries=max_retries, timeout=120))
+        return clients[-1]
+
+    yield make
+    for client in clients:
+        client.close()
 
 
-def test_sync_chat_and_completions_whole_and_streamed(llama_target):
+def test_sync_chat_and_completions_whole_and_streamed(llama_target, sdk):
     client = sdk(llama_target.base)
     # once first: llama.cpp's greedy text depends on what it was asked last (its prompt cache)
     client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=6)
@@ -36,7 +46,7 @@ def test_sync_chat_and_completions_whole_and_streamed(llama_target):
     assert text.choices[0].text and text.choices[0].finish_reason in ("length", "stop")
 
 
-def test_the_model_list_and_one_model(llama_target):
+def test_the_model_list_and_one_model(llama_target, sdk):
     """``models.retrieve`` asks ``GET /v1/models/{id}`` (the route comes with the API-surface
     work of the ``api`` branch)."""
     client = sdk(llama_target.base)
@@ -46,7 +56,7 @@ def test_the_model_list_and_one_model(llama_target):
         client.models.retrieve("no-such-model")
 
 
-def test_raw_responses_carry_the_gateways_headers(llama_target):
+def test_raw_responses_carry_the_gateways_headers(llama_target, sdk):
     client = sdk(llama_target.base)
     raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=2)
     route = raw.headers["x-edgegw-route"]
@@ -90,7 +100,7 @@ def count_429(gateway_url: str) -> float:
     return total
 
 
-def test_the_sdk_waits_what_retry_after_says_and_is_not_refused_twice(llama_reference, gateways):
+def test_the_sdk_waits_what_retry_after_says_and_is_not_refused_twice(llama_reference, gateways, sdk):
     """40 requests a minute: the 41st is refused with 429 and a ``Retry-After`` that rounds
     the wait up (it was rounded to the nearest second, and the SDK, which waits exactly what
     it is told, came back too early for a second 429); the SDK retries once and is served."""

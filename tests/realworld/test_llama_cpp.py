@@ -43,9 +43,10 @@ def test_its_empty_400_reaches_the_client_as_an_openai_error(llama_reference, ga
     response = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, headers={"x-request-id": "my-req-1"}, timeout=60)
     assert response.status_code == 400
     assert response.json()["error"]["message"] == "the upstream answered 400 with no body"
-    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, default_headers={"x-request-id": "my-req-1"})
-    with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(**CHAT)
+    headers = {"x-request-id": "my-req-1"}
+    with openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, default_headers=headers) as client:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(**CHAT)
     assert caught.value.body["message"] == "the upstream answered 400 with no body"
     with ws_connect(gw.url.replace("http", "ws") + "/v1/ws", additional_headers={"x-request-id": "my-req-1"}) as ws:
         ws.send(orjson.dumps(CHAT).decode())
