@@ -117,3 +117,20 @@ def test_probes_and_discovery_stay_out_of_the_log_and_each_request_names_both_id
     assert any(f"sock-9 ws 200" in line and f"upstream_id={sent[0]}" in line for line in lines), lines
     assert any(f"sock-9.2 ws 200" in line and f"upstream_id={sent[1]}" in line for line in lines), lines
 
+
+
+def test_fast_failures_do_not_make_an_endpoint_look_fast(upstreams, gateways):
+    """Twenty 500s answered at once (llama.cpp's server's answer to a malformed request)
+    beside three good answers that take 0.3 s to their first byte: the latency view's TTFT is
+    the good answers' alone, and the endpoint is not called network-bound."""
+    fake = upstreams(ttft=0.3, tokens=2)
+    gw = gateways({"clusters": [cluster(fake)]})
+    for _ in range(20):
+        bad = {**CHAT, "fake": {"status": 500, "ttft": 0.0, "error_body": "Traceback (most recent call last): ..."}}
+        assert httpx.post(gw.url + "/v1/chat/completions", json=bad).status_code == 500
+    for _ in range(3):
+        assert httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=10).status_code == 200
+    view = next(t for t in httpx.get(gw.url + "/debug/latency").json()["targets"] if t["name"] == fake.url)
+    assert view["requests"] == 23
+    assert view["ttft_ms"]["p50"] >= 300, view["ttft_ms"]
+    assert view["diagnosis"]["verdict"] != "network_bound", view["diagnosis"]
