@@ -14,6 +14,7 @@ the environment says otherwise.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -90,6 +91,8 @@ class LlamaServer(_Server):
     name = "llama-cpp"
 
     def __init__(self, folder: Path, *, interrupt_requests: bool = True, n_ctx: int = N_CTX, threads: int = 2) -> None:
+        if importlib.util.find_spec("llama_cpp") is None:
+            raise RuntimeError("llama-cpp-python is not installed: `make test` installs it (the Makefile's test set-up)")
         argv = [
             sys.executable, "-m", "llama_cpp.server", "--model", default_model_path(), "--model_alias", MODEL,
             "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", str(n_ctx),
