@@ -19,6 +19,7 @@ import orjson
 from websockets.sync.client import connect as ws_connect
 
 from tests.conftest import cluster, ws_answer
+from tests.gateway.test_dispatch import US_CLIENT, post, two_regions
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -134,3 +135,18 @@ def test_fast_failures_do_not_make_an_endpoint_look_fast(upstreams, gateways):
     assert view["requests"] == 23
     assert view["ttft_ms"]["p50"] >= 300, view["ttft_ms"]
     assert view["diagnosis"]["verdict"] != "network_bound", view["diagnosis"]
+
+
+def test_a_hedge_starts_on_time_while_the_primary_holds_its_headers(upstreams, gateways, geo_db):
+    """The primary holds its response headers until its first token (5 s; servers that
+    queue do): the hedge still goes at its time (half the 300 ms budget) and wins; the
+    primary's request is cancelled."""
+    slow, hedge = upstreams(ttft=5.0, headers_first=False), upstreams()
+    config = two_regions(geo_db, [slow.url], [hedge.url], hedging={"enabled": True, "budget_fraction": 0.5, "min_delay_ms": 0})
+    gw = gateways(config)
+    r = post(gw, US_CLIENT, stream=True, headers={"x-latency-budget-ms": "300"})
+    assert r.status_code == 200 and "data: [DONE]" in r.text and '"error"' not in r.text
+    assert "edgegw_hedge_wins_total 1.0" in httpx.get(gw.url + "/metrics").text
+    assert len(hedge.requests) == 1 and hedge.requests[0].finished
+    assert slow.requests[0].disconnected.wait(10), "the slow primary's request was cancelled"
+    assert not slow.requests[0].finished
