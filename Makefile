@@ -30,7 +30,20 @@ install: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/edgegw serve --config $(CONFIG)
 
-test: $(STAMP)
+# What `make test` needs and `make run` does not (tests/realworld/): llama.cpp's OpenAI server
+# as a real upstream, compiled from source for this CPU (about 10 minutes on 2 cores, once: pip
+# keeps the built wheel in its cache, so the next install on this machine takes seconds), and
+# the openai npm package under node as a real client (tests/clients/node, from its lock file).
+LLAMA_CPP  := llama-cpp-python[server]==0.3.36
+LLAMA_CMAKE := -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DGGML_BLAS=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+TEST_STAMP := $(VENV)/.test-installed
+
+$(TEST_STAMP): $(STAMP) tests/clients/node/package-lock.json
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc 2>/dev/null || echo 2) CMAKE_ARGS="$(LLAMA_CMAKE)" $(PIP) install '$(LLAMA_CPP)'
+	npm ci --prefix tests/clients/node --no-audit --no-fund
+	touch $(TEST_STAMP)
+
+test: $(TEST_STAMP)
 	$(PY) -m pytest -q --ignore=tests/deploy
 
 # The container image and the Helm chart, built and run for real (podman, helm, kube play):

@@ -89,6 +89,7 @@ class Seen:
     bytes_sent: int = 0
     last_write: float = 0.0
     finished: bool = False
+    gets_open: int = 0  # GET requests (probes, discovery) being answered when this one arrived
     disconnected: threading.Event = field(default_factory=threading.Event)
 
 
@@ -113,6 +114,7 @@ class FakeApp:
         self.defaults = {**DEFAULTS, **defaults}
         self.requests: list[Seen] = []
         self.gets: list[str] = []  # paths of the GET requests
+        self.gets_open = 0  # GET requests being answered now
         self._slots: asyncio.Semaphore | None = None
 
     async def __call__(self, scope, receive, send) -> None:
@@ -127,13 +129,11 @@ class FakeApp:
         path = scope["path"]
         if scope["method"] == "GET":
             self.gets.append(path)
-            if path.endswith("/v1/models"):  # under any base: /v1/models, /openai/v1/models...
-                data = [{"id": m, "object": "model", "created": 0, "owned_by": "fake"} for m in self.models]
-                return await _json(send, 200, {"object": "list", "data": data})
-            if path == "/health":
-                await asyncio.sleep(self.defaults["health_delay"])
-                return await _json(send, 200, {"status": "ok"})
-            return await _json(send, 404, {"error": {"message": "not found"}})
+            self.gets_open += 1
+            try:
+                return await self._get(send, path)
+            finally:
+                self.gets_open -= 1
         body = b""
         while True:
             message = await receive()
@@ -141,7 +141,7 @@ class FakeApp:
             if not message.get("more_body"):
                 break
         data = orjson.loads(body)
-        seen = Seen(path, data, {k.decode(): v.decode() for k, v in scope["headers"]})
+        seen = Seen(path, data, {k.decode(): v.decode() for k, v in scope["headers"]}, gets_open=self.gets_open)
         self.requests.append(seen)
         script = {**self.defaults, **data.get("fake", {})}
         watcher = asyncio.create_task(_watch(receive, seen))
@@ -156,6 +156,15 @@ class FakeApp:
                 await self._answer(send, seen, data, script, path)
         finally:
             watcher.cancel()
+
+    async def _get(self, send, path: str) -> None:
+        if path.endswith("/v1/models"):  # under any base: /v1/models, /openai/v1/models...
+            data = [{"id": m, "object": "model", "created": 0, "owned_by": "fake"} for m in self.models]
+            return await _json(send, 200, {"object": "list", "data": data})
+        if path == "/health":
+            await asyncio.sleep(self.defaults["health_delay"])
+            return await _json(send, 200, {"status": "ok"})
+        return await _json(send, 404, {"error": {"message": "not found"}})
 
     async def _answer(self, send, seen: Seen, data: dict, script: dict, path: str) -> None:
         if script["hang"]:

@@ -127,35 +127,57 @@ class Dispatcher:
 
     async def open(self, decision: RouteDecision, parsed: ParsedRequest, ctx: RequestContext) -> Opened:
         """The first reply that starts well, from the first target that can start it within
-        the request's budget; a stream is hedged if the decision says so."""
+        the request's budget; a stream is hedged if the decision says so, at its time even
+        while the primary holds its response headers (servers that queue do)."""
         deadline = ctx.deadline = ctx.deadline.guide(decision.budget_ms)
         targets, note = self._admissible(decision, ctx, deadline)
-        opened = await self._open_with_fallbacks(targets, decision.model_fallbacks, parsed, ctx, deadline)
-        opened.note = "; ".join(n for n in (note, opened.note) if n)
         hedge_target = decision.hedge_target
-        if (
-            decision.hedge_after_ms is None
-            or hedge_target is None
-            or not parsed.stream
-            or opened.reply.status >= 400
-            or opened.target == hedge_target
-            or opened.model_fallback  # a hedge would race another model's answer
-        ):
+        if decision.hedge_after_ms is None or hedge_target is None or not parsed.stream or targets[0] == hedge_target:
+            opened = await self._open_with_fallbacks(targets, decision.model_fallbacks, parsed, ctx, deadline)
+            opened.note = "; ".join(n for n in (note, opened.note) if n)
             return opened
-
-        async def start_hedge() -> Reply:
-            return await self.open_one(hedge_target, parsed, ctx, Deadline.unbounded(ctx.arrival))
-
+        hedge_at = ctx.arrival + decision.hedge_after_ms / 1000
+        primary = asyncio.ensure_future(self._open_with_fallbacks(targets, decision.model_fallbacks, parsed, ctx, deadline))
+        hedge: asyncio.Future | None = None
+        try:
+            done, _ = await asyncio.wait((primary,), timeout=max(hedge_at - time.monotonic(), 0))
+            if not done and self._may_hedge():
+                hedge = asyncio.ensure_future(self.open_one(hedge_target, parsed, ctx, Deadline.unbounded(ctx.arrival)))
+                if await self._opened_first(primary, hedge):
+                    reply = hedge.result()
+                    self._hedge_won()
+                    await _discard(primary)
+                    return Opened(reply, hedge_target, 1, queued=reply.slot.waited if reply.slot is not None else 0.0, note=note)
+            opened = await primary  # (a hedge still opening races it for the first event below)
+        except BaseException:
+            await _discard(primary)
+            await _discard(hedge)
+            raise
+        opened.note = "; ".join(n for n in (note, opened.note) if n)
+        if opened.reply.status >= 400 or opened.target == hedge_target or opened.model_fallback:  # a hedge would race another model's answer
+            await _discard(hedge)
+            return opened
+        if hedge is None:
+            start_hedge = functools.partial(self.open_one, hedge_target, parsed, ctx, Deadline.unbounded(ctx.arrival))
+            may_hedge = self._may_hedge
+        else:  # already under way: the first event of either wins
+            start_hedge, may_hedge, hedge_at = (lambda: hedge), (lambda: True), time.monotonic()
         opened.reply = HedgedReply(
-            opened.reply,
-            start_hedge,
-            ctx.arrival + decision.hedge_after_ms / 1000,
-            self.settings.limits.keepalive_interval_s,
-            self._may_hedge,
-            self._hedge_won,
+            opened.reply, start_hedge, hedge_at, self.settings.limits.keepalive_interval_s, may_hedge, self._hedge_won
         )
         opened.hedged = True
         return opened
+
+    @staticmethod
+    async def _opened_first(primary: asyncio.Future, hedge: asyncio.Future) -> bool:
+        """Wait until the primary or the hedge has opened; True when the hedge opened first
+        with a status below 400, or the primary failed and the hedge then did."""
+        done, _ = await asyncio.wait((primary, hedge), return_when=asyncio.FIRST_COMPLETED)
+        if primary in done and primary.exception() is not None:
+            await asyncio.wait((hedge,))  # the primary failed: the hedge may still open
+        elif hedge not in done:
+            return False  # the primary opened: the two race for the first event
+        return hedge.exception() is None and hedge.result().status < 400
 
     def _admissible(self, decision: RouteDecision, ctx: RequestContext, deadline: Deadline) -> tuple[tuple[Target, ...], str]:
         """The decision's targets from the first one that is predicted to start the request
@@ -313,3 +335,15 @@ async def _context_exceeded(reply: Reply, limit: int) -> tuple[Reply, bool]:
     kept.status, kept.headers, kept.protocol, kept.pool_wait = reply.status, reply.headers, reply.protocol, reply.pool_wait
     await reply.aclose()
     return kept, False
+
+
+async def _discard(opening: asyncio.Future | None) -> None:
+    """Cancel an opening that lost (or close its reply if it had opened)."""
+    if opening is None:
+        return
+    opening.cancel()
+    (result,) = await asyncio.gather(opening, return_exceptions=True)
+    if isinstance(result, Opened):
+        result = result.reply
+    if isinstance(result, Reply):
+        await result.aclose()

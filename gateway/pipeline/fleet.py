@@ -77,7 +77,7 @@ class ClusterPool:
                 continue
             url = upstream.models_url
             try:
-                response = await asyncio.wait_for(upstream.client.get(url), timeout)
+                response = await upstream.aside(url, timeout)
             except (asyncio.TimeoutError, OSError, GatewayError, Exception) as exc:  # noqa: B014 - any failure lists nothing
                 why = f"no answer within {timeout:g} s" if isinstance(exc, asyncio.TimeoutError) else str(exc) or type(exc).__name__
                 logger.warning("model discovery: GET %s failed: %s", url, why)
@@ -312,10 +312,12 @@ class Fleet:
             await asyncio.sleep(min(max(delay, 0.05), config.probe_interval_s))
 
     async def _probe(self, upstream: Upstream, config) -> None:
+        if self._busy(upstream.url):  # a request went out since it fell due: probe later
+            return
         started = time.monotonic()
         try:
             # the pool transport does not apply httpx's per-request timeout: bound it here
-            response = await asyncio.wait_for(upstream.client.get(config.probe_path), config.probe_timeout_s)
+            response = await upstream.aside(config.probe_path, config.probe_timeout_s)
             ok = response.status_code < 500
         except Exception:
             ok = False

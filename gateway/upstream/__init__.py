@@ -14,6 +14,7 @@ An endpoint's URL is a base URL the way OpenAI clients take one (the openai SDK'
 
 from __future__ import annotations
 
+import asyncio
 import ssl
 from urllib.parse import urlsplit
 
@@ -81,12 +82,31 @@ class Upstream:
             ),
             headers={"authorization": authorization} if authorization else None,
         )
+        self._aside: asyncio.Event | None = None  # set while a probe or discovery is out (``aside``)
+
+    async def aside(self, path: str, timeout: float) -> httpx.Response:
+        """The gateway's own GET (a probe, model discovery) on the control pool, within
+        ``timeout``. Call it only when no request is in flight here: until it is answered,
+        requests to this endpoint wait for it (``request``), so the two never overlap at the
+        server (llama.cpp's server ends its running generation for any new request)."""
+        done = asyncio.Event()
+        self._aside = done
+        try:
+            return await asyncio.wait_for(self.client.get(path), timeout)
+        finally:
+            if self._aside is done:
+                self._aside = None
+            done.set()
 
     async def request(
         self, kind: str, headers: list[tuple[bytes, bytes]], body: bytes, head_within: float | None = None
     ) -> UpstreamResponse:
         """POST ``body`` to the API of ``kind`` ("chat" or "completion") with ``headers``; the
-        response headers must come within ``head_within`` seconds (default: the read timeout)."""
+        response headers must come within ``head_within`` seconds (default: the read timeout).
+        A probe or discovery out at this endpoint (``aside``) is let finish first."""
+        aside = self._aside
+        if aside is not None:
+            await aside.wait()  # bounded: ``aside`` ends within its own timeout
         return await self.pool.request(b"POST", self.base + _API_PATHS[kind], self.headers + headers, body, head_within)
 
     async def forward(

@@ -1,5 +1,5 @@
 """What real inference servers do that the relay must survive, scripted on the fake upstream
-(each script names the server behaviour it copies; tests/real/ runs the real servers):
+(each script names the server behaviour it copies; tests/realworld/ runs the real servers):
 
 - llama.cpp's server ends a generation another request interrupts with ``[DONE]`` and no
   ``finish_reason``, and answers a streamed prompt over its context with 200 and no event;
