@@ -1,4 +1,4 @@
-"""`CacheConfig`: the cache section of the gateway config (built by gateway/settings.py)."""
+"""`CacheConfig`: the cache section of the gateway config (built by gateway/core/settings.py)."""
 
 from __future__ import annotations
 
