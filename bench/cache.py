@@ -4,7 +4,7 @@
 
 Processes (each started here, stopped here by PID; traffic only on 127.0.0.1):
 
-- the fake upstream: ``bench/fakes.py``'s ``FakeApp`` under uvicorn (64-token answers, scripted per
+- the fake upstream: ``loadgen/fake_upstream.py``'s ``FakeApp`` under uvicorn (64-token answers, scripted per
   request by the body's ``fake`` object), pinned to core 1; ``GET /count`` answers how many
   completions it has served;
 - gateways, ``taskset -c 0 python -m gateway serve --config <tmp yaml>``: one with the
@@ -64,7 +64,7 @@ def serve_fake(port: int) -> None:
     sys.path.insert(0, ROOT)
     import uvicorn
 
-    from bench.fakes import FakeApp
+    from loadgen.fake_upstream import FakeApp
 
     app = FakeApp(["fake-model"], {"tokens": TOKENS})
 

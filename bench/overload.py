@@ -4,7 +4,7 @@
 
 Processes (each started here, stopped here by PID; traffic only on 127.0.0.1):
 
-- the upstream: ``bench/fakes.py``'s scripted server under uvicorn with ``slots: 4`` (it
+- the upstream: ``loadgen/fake_upstream.py``'s scripted server under uvicorn with ``slots: 4`` (it
   answers four requests at a time and queues the rest first come, first served, as an
   inference server does), each answer a stream with a TTFT of 0.2 s and 20 tokens 20 ms
   apart: one slot is busy 0.6 s, so the capacity is 4 / 0.6 = 6.7 requests/s;
@@ -88,7 +88,7 @@ def pinned(core: str, argv: list[str]) -> list[str]:
 
 def start_upstream(port: int) -> subprocess.Popen:
     code = (
-        "import sys, uvicorn; sys.path.insert(0, %r); from bench.fakes import FakeApp; "
+        "import sys, uvicorn; sys.path.insert(0, %r); from loadgen.fake_upstream import FakeApp; "
         "app = FakeApp(['fake-model'], {'slots': %d, 'ttft': %r, 'tokens': %d, 'delay': %r}); "
         "app.requests = type('Discard', (list,), {'append': lambda self, item: None})(); "
         "uvicorn.run(app, host='127.0.0.1', port=%d, log_level='error', lifespan='off', access_log=False)"

@@ -11,7 +11,7 @@ Processes (each started here, stopped here by PID; traffic only on 127.0.0.1):
 
 - upstream ``bench/fast_upstream.py`` (raw asyncio + httptools, zero delays, 64-token
   answers), pinned with ``taskset -c 1``;
-- for the HTTP/2 variant, ``bench/fast_upstream.py --hypercorn`` (``bench/fakes.py`` under
+- for the HTTP/2 variant, ``bench/fast_upstream.py --hypercorn`` (``loadgen/fake_upstream.py`` under
   hypercorn: h1 and h2c on one port), also ``taskset -c 1``;
 - the gateway, ``taskset -c 0 python -m gateway serve --config <tmp yaml>``, once with
   ``protocol: http1`` towards the fast upstream and once with ``protocol: http2`` towards
@@ -87,6 +87,10 @@ import psutil
 import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.processes import Child, free_port, pinned  # noqa: E402
+
 PY = sys.executable
 MODEL = "bench-model"
 TOKENS = 64
@@ -100,7 +104,7 @@ _MESSAGES = [{"role": "user", "content": "Say something short."}]
 def _request(stream: bool, delay: float = 0.0) -> bytes:
     payload = {"model": MODEL, "messages": _MESSAGES, "max_tokens": TOKENS, "stream": stream}
     if delay:
-        payload["fake"] = {"delay": delay}  # the upstream's time between tokens (bench/fakes.py's script field)
+        payload["fake"] = {"delay": delay}  # the upstream's time between tokens (loadgen/fake_upstream.py's script field)
     body = json.dumps(payload).encode()
     head = (
         b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
@@ -119,81 +123,6 @@ NONSTREAM = [("c1", 1, 1500), ("c16", 16, 4000), ("c64", 64, 6400)]
 STREAM = [("c1", 1, 150, 0.0), ("c64", 64, 640, 0.0), ("c64-paced", 64, 192, 0.01)]
 PACED_STREAM_S = TOKENS * 0.01
 REQUESTS = {(s, d): _request(s, d) for s, d in [(False, 0.0), (True, 0.0)] + [(True, x[3]) for x in STREAM]}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-# -- processes -------------------------------------------------------------------------
-
-
-class Child:
-    """A process started by this script (and only those are ever signalled)."""
-
-    def __init__(self, name: str, argv: list[str], log_dir: str, cwd: str = ROOT) -> None:
-        self.name = name
-        self.log_path = os.path.join(log_dir, f"{name}.log")
-        self.log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            argv, cwd=cwd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
-        )
-        self.ps = psutil.Process(self.proc.pid)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def wait_http(self, port: int, path: str, timeout: float = 30) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited:\n{open(self.log_path).read()}")
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
-                conn.request("GET", path)
-                if conn.getresponse().status == 200:
-                    conn.close()
-                    return
-                conn.close()
-            except OSError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError(f"{self.name} did not become ready on :{port}{path}")
-
-    def cpu(self) -> float:
-        """CPU seconds of the process and of its children (a gateway's workers)."""
-        total = 0.0
-        for proc in [self.ps, *self.ps.children(recursive=True)]:
-            try:
-                t = proc.cpu_times()
-            except psutil.NoSuchProcess:
-                continue
-            total += t.user + t.system
-        return total
-
-    def peak_rss(self) -> int:
-        with open(f"/proc/{self.pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-        return self.ps.memory_info().rss
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-
-
-def pinned(core: int | str, argv: list[str]) -> list[str]:
-    return ["taskset", "-c", str(core), *argv] if shutil.which("taskset") else argv
 
 
 # -- the load generator ----------------------------------------------------------------
@@ -795,7 +724,7 @@ def report(results: dict, peaks: dict[str, int], command: str, reps: int, revisi
     if "gw-h1-traced" in results:
         variants.append(("h1 + traces", "direct-h1", "gw-h1-traced", "as h1, every request traced, OTLP/HTTP export"))
     if "gw-h2" in results:
-        variants.append(("h2", "direct-hc", "gw-h2", "HTTP/2 (h2c) → hypercorn bench/fakes.py; direct = hypercorn over h1"))
+        variants.append(("h2", "direct-hc", "gw-h2", "HTTP/2 (h2c) → hypercorn loadgen/fake_upstream.py; direct = hypercorn over h1"))
     if "nginx-h1" in results:
         variants.append(("nginx (reference)", "direct-h1", "nginx-h1", "nginx, one worker, proxy_buffering off"))
     out.append(f"Command: `{command}`  ")

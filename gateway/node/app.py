@@ -121,9 +121,9 @@ class GatewayApp:
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
-            endpoint = self._completions.get(scope["path"])
-            if endpoint is not None:
-                return await endpoint(scope, receive, send)
+            handler = self._completions.get(scope["path"])
+            if handler is not None:
+                return await handler(scope, receive, send)
         await self.app(scope, receive, send)
 
 

@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 from edge_engine import Engine, EngineConfig, OpenAIServing, default_model_path
-from tests.edge_engine.quality import HELDOUT_TEXT, PROMPTS, agreement, greedy_outputs, perplexity
+from edge_engine.quality import HELDOUT_TEXT, PROMPTS, agreement, greedy_outputs, perplexity
 
 pytestmark = pytest.mark.slow
 

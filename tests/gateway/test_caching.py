@@ -241,13 +241,13 @@ def test_cache_control_no_cache_refreshes(memory_gw):
     fake, gw = memory_gw()
     body = chat(unique())
     post(gw, body)
-    time.sleep(1.1)
+    time.sleep(2.1)
     refreshed = post(gw, body, {"cache-control": "no-cache"})
     assert refreshed.headers["x-cache"] == "MISS"  # looked nothing up, went upstream
     assert completions(fake) == 2
     hit = post(gw, body)
     assert hit.headers["x-cache"] == "HIT"
-    assert int(hit.headers["age"]) == 0  # the refreshed entry, not the older one
+    assert int(hit.headers["age"]) <= 1  # the refreshed entry, not the older one (2 s and more)
     assert completions(fake) == 2
 
 

@@ -101,8 +101,8 @@ def test_client_disconnect_frees_the_engine_sequence(edge_gateway):
 
 def test_an_interactive_request_does_not_wait_behind_another_tenants_streams(edge_gateway):
     """Another tenant keeps six long streams on an engine that runs four sequences at once:
-    an interactive request is still answered within its budget (the engine preempts a batch
-    sequence for it), not after a batch stream ends."""
+    an interactive request gets its first token while every one of them still runs (the
+    engine preempts a batch sequence for it), not after a batch stream ends."""
     engine = edge_gateway.state.fleet.edge.engine
     host, port = edge_gateway.url.removeprefix("http://").split(":")
     long = orjson.dumps(
@@ -122,14 +122,15 @@ def test_an_interactive_request_does_not_wait_behind_another_tenants_streams(edg
             time.sleep(0.05)
         assert engine.stats().num_running == 4
         assert edge_gateway.state.fleet.queues["edge"].waiting == 2  # the rest wait in the gateway
-        started = time.monotonic()
-        body = {"model": "smollm2-135m-instruct", "messages": QUESTION, "max_tokens": 8, "stream": True}
+        finished = engine.stats().num_requests_finished
+        # long enough not to be finished itself when its first token is read; closed then
+        body = {"model": "smollm2-135m-instruct", "messages": QUESTION, "max_tokens": 400, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", edge_gateway.url + "/v1/chat/completions", json=body, headers={"authorization": "Bearer sk-app"}, timeout=60) as r:
             assert r.status_code == 200, (r.read(), r.headers.get("x-edgegw-route"))
             first = next(line for line in r.iter_lines() if line.startswith("data:"))
-            ttft = time.monotonic() - started
+            # its first token came while every batch stream was still going: it waited for none
+            assert engine.stats().num_requests_finished == finished
         assert '"role":"assistant"' in first.replace(" ", "")
-        assert ttft < 3.0, f"interactive TTFT {ttft:.2f} s behind batch streams"
         assert engine.stats().num_preemptions >= 1
     finally:
         for sock in bulk:
