@@ -23,8 +23,9 @@ Processes (each started here, stopped here by PID; traffic only on 127.0.0.1):
   core 0 like the gateway: one worker, ``proxy_buffering off``, HTTP/1.1 keep-alive to the
   upstream (``keepalive 128``), no access log; its added latency and CPU are reported
   beside the gateway's and as the gateway's ratio to them;
-- the load generator is this process, pinned to core 1 (with the upstreams): a raw
-  asyncio (uvloop) + httptools keep-alive HTTP/1.1 client, a few tens of µs per request.
+- the load generator is this process, pinned to core 1 (with the upstreams): loadgen's
+  keep-alive HTTP/1.1 client (``loadgen/http.py``: asyncio (uvloop) + httptools, a few tens
+  of µs per request; ``edgegw bench`` measures with the same one).
 
 Loads, each on fresh keep-alive connections after a warm-up of 2 requests per connection,
 with a fixed number of requests: non-streaming chat completions at concurrency 1, 16, 64;
@@ -74,7 +75,6 @@ import itertools
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -82,7 +82,6 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-import httptools
 import psutil
 import yaml
 
@@ -90,6 +89,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.processes import Child, free_port, pinned  # noqa: E402
+from loadgen.http import BaseURL, ConnectionPool, HttpError, Response  # noqa: E402
 
 PY = sys.executable
 MODEL = "bench-model"
@@ -128,51 +128,25 @@ REQUESTS = {(s, d): _request(s, d) for s, d in [(False, 0.0), (True, 0.0)] + [(T
 # -- the load generator ----------------------------------------------------------------
 
 
-class ClientConn(asyncio.Protocol):
-    """One keep-alive HTTP/1.1 connection, one request at a time, timestamps in callbacks."""
+class EventCounter:
+    """Reads one response for loadgen's client (a ``loadgen.http.BodyReader``): its bytes,
+    the first byte's time, and for a stream its SSE events with the gaps between their
+    arrivals (events that arrive in one read count as gaps of 0: what a client sees) and
+    its tail, to check the ``[DONE]``."""
 
-    def __init__(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.parser = httptools.HttpResponseParser(self)
-        self.transport: asyncio.Transport | None = None
-        self.waiter: asyncio.Future | None = None
-        self.now = 0.0
-        self.stream = False
-        self.delay = 0.0
-        self.gaps: list[float] | None = None
-        self.reset()
+    __slots__ = ("stream", "gaps", "first", "last_event", "events", "nbytes", "half_boundary", "tail")
 
-    def reset(self) -> None:
-        self.t0 = 0.0
+    def __init__(self, stream: bool, gaps: list[float]) -> None:
+        self.stream = stream
+        self.gaps = gaps
         self.first = 0.0
         self.last_event = 0.0
-        self.done = 0.0
         self.events = 0
         self.nbytes = 0
-        self.status = 0
         self.half_boundary = False
         self.tail = b""
 
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def connection_lost(self, exc) -> None:
-        waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_exception(ConnectionError("connection lost"))
-
-    def data_received(self, data: bytes) -> None:
-        self.now = time.perf_counter()
-        self.parser.feed_data(data)
-
-    def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
-
-    def on_body(self, body: bytes) -> None:
-        now = self.now
+    def feed(self, body: bytes, now: float) -> None:
         self.nbytes += len(body)
         if not self.first:
             self.first = now
@@ -186,39 +160,34 @@ class ClientConn(asyncio.Protocol):
                 last = self.last_event
                 for _ in range(n):
                     if last:
-                        gaps.append(now - last)  # type: ignore[union-attr]
+                        gaps.append(now - last)
                     last = now
                 self.last_event = now
                 self.events += n
             self.tail = (self.tail + body)[-200:]
 
-    def on_message_complete(self) -> None:
-        self.done = self.now
-        waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    async def request(self, stream: bool, gaps: list[float] | None) -> None:
-        self.reset()
-        self.stream = stream
-        self.gaps = gaps
-        self.waiter = self.loop.create_future()
-        self.t0 = time.perf_counter()
-        self.transport.write(REQUESTS[stream, self.delay])  # type: ignore[union-attr]
-        await self.waiter
-
-    def ok(self) -> bool:
-        if self.status != 200 or not self.nbytes:
+    def ok(self, status: int) -> bool:
+        if status != 200 or not self.nbytes:
             return False
         if self.stream:
             return self.events == EVENTS and self.tail.endswith(b"data: [DONE]\n\n")
         return True
 
 
-async def connect(port: int) -> ClientConn:
-    loop = asyncio.get_running_loop()
-    _, conn = await loop.create_connection(ClientConn, "127.0.0.1", port)
-    return conn
+class Client:
+    """One keep-alive HTTP/1.1 connection of loadgen's client (``loadgen/http.py``), one
+    request at a time, the benchmark's prepared request bytes."""
+
+    def __init__(self, port: int, delay: float = 0.0) -> None:
+        self.pool = ConnectionPool(BaseURL.parse(f"http://127.0.0.1:{port}"))
+        self.delay = delay
+
+    async def request(self, stream: bool, gaps: list[float]) -> tuple[Response, EventCounter]:
+        response = await self.pool.request(REQUESTS[stream, self.delay], lambda status, headers: EventCounter(stream, gaps), 300)
+        return response, response.reader
+
+    def close(self) -> None:
+        self.pool.close()
 
 
 @dataclass
@@ -237,60 +206,48 @@ class PhaseResult:
 async def run_phase(
     port: int, concurrency: int, total: int, stream: bool, gateway: Child | None, delay: float = 0.0
 ) -> PhaseResult:
-    conns = await asyncio.gather(*(connect(port) for _ in range(concurrency)))
-    for c in conns:
-        c.delay = delay
+    clients = [Client(port, delay) for _ in range(concurrency)]
     try:
         for _ in range(2):  # warm-up: connections, upstream pool, caches
-            await asyncio.gather(*(c.request(stream, []) for c in conns), return_exceptions=True)
-        for i, c in enumerate(conns):
-            if c.transport is None or c.transport.is_closing():
-                conns[i] = await connect(port)
-                conns[i].delay = delay
+            await asyncio.gather(*(c.request(stream, []) for c in clients), return_exceptions=True)
         result = PhaseResult()
         counter = itertools.count()
         gaps = result.gaps
 
-        async def worker(index: int, conn: ClientConn) -> None:
+        async def worker(index: int, client: Client) -> None:
             if delay:  # stagger the paced streams over one stream's duration
                 await asyncio.sleep(index * TOKENS * delay / concurrency)
             while next(counter) < total:
                 try:
-                    await conn.request(stream, gaps)
-                except (ConnectionError, RuntimeError) as exc:  # the server dropped the connection
+                    response, read = await client.request(stream, gaps)
+                except HttpError as exc:  # the server dropped the connection: the next request opens another
                     result.requests += 1
                     result.errors += 1
-                    result.error_kinds[f"connection lost ({exc.__class__.__name__})"] += 1
-                    if conn.transport is not None:
-                        conn.transport.close()
-                    conn = await connect(port)
-                    conn.delay = delay
-                    conns.append(conn)
+                    result.error_kinds[f"{exc.kind}: {exc.detail}"] += 1
                     continue
                 result.requests += 1
-                if not conn.ok():
+                if not read.ok(response.status):
                     result.errors += 1
-                    result.error_kinds[f"status {conn.status}, {conn.events} events, ends {conn.tail[-160:]!r}"] += 1
+                    result.error_kinds[f"status {response.status}, {read.events} events, ends {read.tail[-160:]!r}"] += 1
                     continue
                 if stream:
-                    result.ttft.append(conn.first - conn.t0)
-                    result.events += conn.events
-                result.e2e.append(conn.done - conn.t0)
+                    result.ttft.append(read.first - response.sent)
+                    result.events += read.events
+                result.e2e.append(response.done - response.sent)
 
         gc.collect()
         gc.disable()
         cpu0 = gateway.cpu() if gateway else 0.0
         start = time.perf_counter()
-        await asyncio.gather(*(worker(i, c) for i, c in enumerate(list(conns))))
+        await asyncio.gather(*(worker(i, c) for i, c in enumerate(clients)))
         result.wall = time.perf_counter() - start
         if gateway:
             result.cpu = gateway.cpu() - cpu0
         gc.enable()
         return result
     finally:
-        for c in conns:
-            if c.transport is not None:
-                c.transport.close()
+        for c in clients:
+            c.close()
         await asyncio.sleep(0.05)
 
 
