@@ -37,8 +37,6 @@ import json
 import os
 import random
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -50,6 +48,7 @@ import yaml
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench.processes import free_port, pinned, stop, wait_port  # noqa: E402
 from loadgen.http import BaseURL, ConnectionPool, HttpError  # noqa: E402
 from loadgen.openai import RequestHead, make_reader  # noqa: E402
 
@@ -61,29 +60,6 @@ TENANTS = {  # name: (key, priority, budget ms, share of the load)
     "app": ("sk-app", "interactive", 1_000, 0.10),
 }
 BODY = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": TOKENS}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_port(port: int, proc: subprocess.Popen, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"nothing listens on {port}")
-
-
-def pinned(core: str, argv: list[str]) -> list[str]:
-    return (["taskset", "-c", core] if shutil.which("taskset") else []) + argv
 
 
 def start_upstream(port: int) -> subprocess.Popen:
@@ -130,14 +106,7 @@ def start_gateway(config: dict, workdir: str) -> tuple[subprocess.Popen, str]:
     return proc, f"http://127.0.0.1:{config['listen']['port']}/v1"
 
 
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+
 
 
 @dataclass

@@ -65,7 +65,7 @@ def wait_http(port: int, path: str, proc: subprocess.Popen, timeout: float = 30,
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            log = open(log_path).read() if log_path else ""
+            log = open(log_path, errors="replace").read()[-3000:] if log_path else ""
             raise RuntimeError(f"{proc.args} exited with {proc.returncode}\n{log}")
         try:
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
@@ -95,12 +95,12 @@ def stop(proc: subprocess.Popen, timeout: float = 15) -> None:
 class Child:
     """A process started by a benchmark, its output in ``<log_dir>/<name>.log``."""
 
-    def __init__(self, name: str, argv: list[str], log_dir: str, cwd: str = ROOT) -> None:
+    def __init__(self, name: str, argv: list[str], log_dir: str, cwd: str = ROOT, env: dict[str, str] | None = None) -> None:
         self.name = name
         self.log_path = os.path.join(log_dir, f"{name}.log")
         self.log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            argv, cwd=cwd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+            argv, cwd=cwd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         )
         self.ps = psutil.Process(self.proc.pid)
 
