@@ -195,7 +195,7 @@ def test_a_failing_endpoint_is_failed_over_ejected_and_readmitted(upstreams, gat
 
 
 def test_a_late_first_token_is_hedged_and_the_slow_primary_cancelled(upstreams, gateways, geo_db):
-    slow, hedge = upstreams(hang=True), upstreams()  # the primary never answers: only the hedge can
+    slow, hedge = upstreams(ttft=60.0), upstreams()  # the primary's first token is a minute away: only the hedge can answer
     config = two_regions(geo_db, [slow.url], [hedge.url], hedging={"enabled": True, "budget_fraction": 0.5, "min_delay_ms": 0})
     gw = gateways(config)
     r = post(gw, US_CLIENT, stream=True, headers={"x-latency-budget-ms": "300"})
@@ -290,7 +290,7 @@ def test_a_hedged_stream_sends_headers_at_once_and_pings_while_waiting(upstreams
 
 
 def test_the_hedge_winners_ttft_is_measured_from_when_it_was_sent(upstreams, gateways, geo_db):
-    slow, hedge = upstreams(hang=True), upstreams(ttft=0.05)
+    slow, hedge = upstreams(ttft=60.0), upstreams(ttft=0.05)
     gw = gateways(hedged(geo_db, slow, hedge))
     r = post(gw, US_CLIENT, stream=True, headers={"x-latency-budget-ms": "3000"})  # hedge after 1.5 s
     assert r.status_code == 200 and len(hedge.requests) == 1
