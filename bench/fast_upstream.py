@@ -187,7 +187,7 @@ class Connection(asyncio.Protocol):
         if path not in (b"/v1/chat/completions", b"/v1/completions"):
             self.transport.write(answers.not_found)
             return
-        kind = "chat" if path == b"/v1/chat/completions" else "completion"
+        kind = "chat" if path == b"/v1/chat/completions" else "completions"
         try:
             data = orjson.loads(b"".join(self.body))
             model = str(data.get("model", "?"))

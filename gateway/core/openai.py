@@ -17,10 +17,10 @@ from edge_engine.errors import InvalidRequestError
 from edge_engine.openai_fields import check_request
 from gateway.core.errors import InvalidRequest
 
-__all__ = ["CHAT", "COMPLETION", "LARGE", "ParsedRequest", "kind_of", "parse_request"]
+__all__ = ["CHAT", "COMPLETIONS", "LARGE", "ParsedRequest", "kind_of", "parse_request"]
 
 CHAT = "chat"
-COMPLETION = "completion"
+COMPLETIONS = "completions"
 
 
 LARGE = 64 * 1024  # bytes of body beyond which the work that grows with it goes to a thread
@@ -60,7 +60,7 @@ def kind_of(data: Any) -> str:
     """The API a bare request body is for (a WebSocket message has no path): a completion
     when it has ``prompt`` and no ``messages``, else chat."""
     if isinstance(data, dict) and "prompt" in data and "messages" not in data:
-        return COMPLETION
+        return COMPLETIONS
     return CHAT
 
 

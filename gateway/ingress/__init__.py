@@ -27,7 +27,7 @@ one port must not freeze the others.
 
 from gateway.ingress.asgi import RequestStream
 from gateway.ingress.h2 import H2ServerProtocol
-from gateway.ingress.h3 import H3Listener, TicketStore, serve_http3
+from gateway.ingress.h3_listener import H3Listener, TicketStore, serve_http3
 from gateway.ingress.http1 import H1Protocol
 from gateway.ingress.server import AltSvcApp, Server, tls_context
 from gateway.ingress.websocket import DrainingWebSocketProtocol

@@ -29,7 +29,7 @@ from starlette.routing import Route, WebSocketRoute
 
 from gateway.admission import AdmissionApp, Gate
 from gateway.core.errors import error_body
-from gateway.core.openai import CHAT, COMPLETION
+from gateway.core.openai import CHAT, COMPLETIONS
 from gateway.core.settings import Settings
 from gateway.handlers import CompletionsApp, HealthzApp, JSONApp, MetricsApp, ModelsApp, ReadyzApp, WebSocketApp
 from gateway.node.siblings import Node, Siblings
@@ -144,7 +144,7 @@ def create_app(settings: Settings, *, metrics: Metrics | None = None, node: Node
     dashboard = DashboardApp(live_snapshot(gateway), stop=lambda: gate.draining)
     completions = {
         "/v1/chat/completions": AdmissionApp(CompletionsApp(pipeline, gateway.metrics), gate, "chat", CHAT),
-        "/v1/completions": AdmissionApp(CompletionsApp(pipeline, gateway.metrics), gate, "completions", COMPLETION),
+        "/v1/completions": AdmissionApp(CompletionsApp(pipeline, gateway.metrics), gate, "completions", COMPLETIONS),
     }
     routes = [
         *(Route(path, app, methods=["POST"]) for path, app in completions.items()),

@@ -15,7 +15,7 @@ import pytest
 from gateway.core.errors import UpstreamProtocolError, UpstreamReadTimeout
 from gateway.core.sse import DONE, EventReader, sse_event, sse_events, sse_payloads
 from gateway.relay import Meter, Splice
-from gateway.upstream.base import Body
+from gateway.upstream.body import Body
 from tests.conftest import cluster
 from tests.waiting import wait_until
 

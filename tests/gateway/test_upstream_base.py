@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from gateway.core.errors import UpstreamProtocolError
-from gateway.upstream.base import Body
+from gateway.upstream.body import Body
 
 
 def make_body(high_water: int = 100):

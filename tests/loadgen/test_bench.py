@@ -72,22 +72,24 @@ def test_duration_keeps_sending_until_the_time_is_up(upstreams, bench):
 GATE_ARGS = ("--num-prompts", "8", "--max-concurrency", "4", "--repeat", "3", "--input-len", "8")
 
 
-def test_the_gate_fails_a_thirty_percent_slower_server_and_passes_the_same_one(upstreams, bench, tmp_path):
+def test_the_gate_fails_a_slower_server_and_passes_the_same_one(upstreams, bench, tmp_path):
+    # 70 % slower against a gate allowing 30 %: the same server, measured again on a machine
+    # whose load changed meanwhile, must still pass, and the slower one still fail
     fast = upstreams(ttft=0.15, delay=0.03, tokens=4)
-    slower = upstreams(ttft=0.15 * 1.3, delay=0.03 * 1.3, tokens=4)
+    slower = upstreams(ttft=0.15 * 1.7, delay=0.03 * 1.7, tokens=4)
     baseline = str(tmp_path / "last.json")
     first = bench("--base-url", fast.url + "/v1", *GATE_ARGS, "--save-result", baseline)
     assert first.code == 0, first.err
     assert len(first.result.runs) == 3 and first.result.gate is None
 
-    regressed = bench("--base-url", slower.url + "/v1", *GATE_ARGS, "--baseline", baseline)
+    regressed = bench("--base-url", slower.url + "/v1", *GATE_ARGS, "--baseline", baseline, "--max-regression", "0.3")
     assert regressed.code == 1, regressed.err
     rows = {row.metric: row for row in regressed.result.gate.rows}
     assert not rows["p95_ttft_ms"].passed and not rows["p95_e2e_ms"].passed
-    assert rows["p95_e2e_ms"].change > 0.15
+    assert rows["p95_e2e_ms"].change > 0.3
     assert "REGRESSED" in regressed.err and "FAIL" in regressed.err
 
-    same = bench("--base-url", fast.url + "/v1", *GATE_ARGS, "--baseline", baseline)
+    same = bench("--base-url", fast.url + "/v1", *GATE_ARGS, "--baseline", baseline, "--max-regression", "0.3")
     assert same.code == 0, same.err
     assert same.result.gate.passed and "PASS" in same.err
     # the gate compares medians over the repetitions
