@@ -126,12 +126,19 @@ class GatewayProcess:
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory) -> str:
-    """A tiny random Llama as a GGUF file (tests/edge_engine/tiny.py), for gateway tests
-    that need an edge engine but not the real model."""
+def tiny_paths(tmp_path_factory):
+    """A tiny random Llama (tests/edge_engine/tiny.py), built once a session: its GGUF file
+    and its Hugging Face directory."""
     from tests.edge_engine.tiny import build_tiny_model  # torch and transformers: only when asked for
 
-    return str(build_tiny_model(tmp_path_factory.mktemp("tiny"))[0])
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_paths) -> str:
+    """The tiny Llama's GGUF file, for gateway tests that need an edge engine but not the
+    real model."""
+    return str(tiny_paths[0])
 
 
 @pytest.fixture(scope="session")
