@@ -3,12 +3,19 @@
 # suite runs on a machine whose cores are all taken by other work. The hog's processes are
 # started here and killed by their PIDs when this script ends, however it ends.
 #
-#   scripts/test-under-load.sh [RUNS]        (make test-under-load)
+#   scripts/test-under-load.sh [RUNS]                 (make test-under-load: make test, 3 runs)
+#   scripts/test-under-load.sh RUNS PYTEST_ARGS...    (those tests only, e.g. one file)
 #
 # Prints each run's result and wall time; exits non-zero if any run failed.
 set -u
 cd "$(dirname "$0")/.."
 runs=${1:-3}
+shift $(( $# > 0 ? 1 : 0 ))
+if [ $# -gt 0 ]; then
+    what=("${PY:-.venv/bin/python}" -m pytest -q -p no:cacheprovider "$@")  # PY: another interpreter
+else
+    what=(make test)
+fi
 cores=$(nproc)
 hogs=()
 
@@ -29,12 +36,12 @@ for _ in $(seq "$cores"); do
     ( trap 'exit 0' TERM; while :; do :; done ) &
     hogs+=("$!")
 done
-echo "CPU hog: ${#hogs[@]} busy processes (PIDs ${hogs[*]}) on $cores cores"
+echo "CPU hog: ${#hogs[@]} busy processes (PIDs ${hogs[*]}) on $cores cores; running: ${what[*]}"
 
 failed=0
 for run in $(seq "$runs"); do
     started=$(date +%s)
-    if make test; then result=passed; else result=FAILED; failed=$((failed + 1)); fi
+    if "${what[@]}"; then result=passed; else result=FAILED; failed=$((failed + 1)); fi
     echo "run $run of $runs: $result in $(( $(date +%s) - started )) s (beside the CPU hog)"
 done
 stop_hogs
