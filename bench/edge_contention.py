@@ -37,7 +37,7 @@ import yaml
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.overload import free_port, stop, wait_port  # noqa: E402
+from bench.processes import free_port, stop, wait_port  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
