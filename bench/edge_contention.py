@@ -128,7 +128,7 @@ def ask(url: str, headers: dict) -> dict:
 def start_ready(config: dict, port: int, workdir: str) -> subprocess.Popen:
     """``python -m gateway serve`` on ``config``, once its /readyz answers 200 and, with the
     edge engine on, the engine answers a one-token request (workers serve the clusters
-    while the engine's process loads); the caller stops it (``bench.overload.stop``)."""
+    while the engine's process loads); the caller stops it (``bench.processes.stop``)."""
     path = os.path.join(workdir, f"{port}.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(config, f)
