@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 CONFIG ?= configs/default.yaml
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test install kernels bench clean deploy-tools test-deploy image
+.PHONY: run test test-under-load install kernels bench clean deploy-tools test-deploy image dashboard-png
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,16 @@ $(TEST_STAMP): $(STAMP) tests/clients/node/package-lock.json
 
 test: $(TEST_STAMP)
 	$(PY) -m pytest -q --ignore=tests/deploy
+
+# `make test` three times in a row beside a CPU hog (one busy process per core): the suite
+# must not depend on a quiet machine (scripts/test-under-load.sh)
+test-under-load: $(STAMP)
+	scripts/test-under-load.sh 3
+
+# The README's screenshot of the dashboard (docs/dashboard.png), taken by the browser test
+# against a live gateway; a plain `make test` writes no tracked file
+dashboard-png: $(STAMP)
+	EDGEGW_DASHBOARD_PNG=docs/dashboard.png $(PY) -m pytest -q tests/gateway/test_dashboard.py -k real_browser
 
 # The container image and the Helm chart, built and run for real (podman, helm, kube play):
 # minutes (the first image build on a fresh machine: ~15), so apart from `make test`.

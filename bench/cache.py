@@ -4,14 +4,15 @@
 
 Processes (each started here, stopped here by PID; traffic only on 127.0.0.1):
 
-- the fake upstream: ``bench/fakes.py``'s ``FakeApp`` under uvicorn (64-token answers, scripted per
+- the fake upstream: ``loadgen/fake_upstream.py``'s ``FakeApp`` under uvicorn (64-token answers, scripted per
   request by the body's ``fake`` object), pinned to core 1; ``GET /count`` answers how many
   completions it has served;
 - gateways, ``taskset -c 0 python -m gateway serve --config <tmp yaml>``: one with the
   memory cache, two with the Redis cache (the real Redis at 127.0.0.1:6379, DB 15, a fresh
   namespace deleted at the end) sharing the namespace;
-- the load generator is this process, on core 1 (with the upstream): raw asyncio +
-  httptools keep-alive HTTP/1.1 connections, a few tens of microseconds per request.
+- the load generator is this process, on core 1 (with the upstream): keep-alive HTTP/1.1
+  connections of loadgen's client (``loadgen/http.py``: asyncio + httptools, a few tens of
+  microseconds per request).
 
 Loads, each after a warm-up (the entry is stored by one request, then every connection
 sends a few requests): for the memory and the Redis gateway and for JSON and SSE (64 content
@@ -46,11 +47,15 @@ import tempfile
 import time
 import uuid
 
-import httptools
 import redis
 import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.processes import free_port, pinned, stop, wait_http  # noqa: E402
+from loadgen.http import BaseURL, ConnectionPool, Response  # noqa: E402
+
 PY = sys.executable
 GATEWAY_CORE, OTHER_CORE = "0", "1"
 REDIS_URL = "redis://127.0.0.1:6379/15"
@@ -64,7 +69,7 @@ def serve_fake(port: int) -> None:
     sys.path.insert(0, ROOT)
     import uvicorn
 
-    from bench.fakes import FakeApp
+    from loadgen.fake_upstream import FakeApp
 
     app = FakeApp(["fake-model"], {"tokens": TOKENS})
 
@@ -79,51 +84,32 @@ def serve_fake(port: int) -> None:
     uvicorn.run(counted, host="127.0.0.1", port=port, log_level="error", lifespan="off", access_log=False)
 
 
-# -- a raw keep-alive HTTP/1.1 client ------------------------------------------------------
+# -- the load generator: loadgen's HTTP/1.1 client -------------------------------------------
 
 
-class Conn(asyncio.Protocol):
-    def __init__(self) -> None:
-        self.parser = httptools.HttpResponseParser(self)
-        self.done: asyncio.Future | None = None
-        self.transport = None
-        self.x_cache = b""
-        self.status = 0
-        self._name = b""
+class _Discard:
+    """A body reader that keeps nothing: the figures are the exchange's times."""
 
-    def connection_made(self, transport) -> None:
-        self.transport = transport
+    __slots__ = ()
 
-    def data_received(self, data: bytes) -> None:
-        self.parser.feed_data(data)
-
-    def connection_lost(self, exc) -> None:
-        if self.done is not None and not self.done.done():
-            self.done.set_exception(ConnectionError("connection lost"))
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        if name.lower() == b"x-cache":
-            self.x_cache = value
-
-    def on_message_complete(self) -> None:
-        self.status = self.parser.get_status_code()
-        if self.done is not None and not self.done.done():
-            self.done.set_result(None)
-
-    async def ask(self, request: bytes) -> float:
-        """Send one request and wait for the whole response; seconds taken."""
-        self.done = asyncio.get_running_loop().create_future()
-        self.x_cache = b""
-        started = time.perf_counter()
-        self.transport.write(request)
-        await self.done
-        return time.perf_counter() - started
+    def feed(self, data: bytes, now: float) -> None:
+        pass
 
 
-async def connect(port: int) -> Conn:
-    _, conn = await asyncio.get_running_loop().create_connection(Conn, "127.0.0.1", port)
-    conn.transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return conn
+_DISCARD = _Discard()
+
+
+def discard(status: int, headers: dict[str, str]) -> _Discard:
+    return _DISCARD
+
+
+async def ask(pool: ConnectionPool, req: bytes) -> Response:
+    """One request on ``pool``'s keep-alive connection, answered in whole."""
+    return await pool.request(req, discard, 60)
+
+
+def pool_for(port: int) -> ConnectionPool:
+    return ConnectionPool(BaseURL.parse(f"http://127.0.0.1:{port}"))
 
 
 def request(body: dict, headers: dict[str, str] | None = None) -> bytes:
@@ -142,29 +128,30 @@ def chat(key: str, stream: bool, **fake) -> dict:
     return body
 
 
-async def run_load(port: int, req: bytes, concurrency: int, n: int, expect: bytes) -> dict:
+async def run_load(port: int, req: bytes, concurrency: int, n: int, expect: str) -> dict:
     """n requests over `concurrency` keep-alive connections; latencies, req/s, bad answers."""
-    conns = [await connect(port) for _ in range(concurrency)]
-    for conn in conns:  # warm each connection
+    pools = [pool_for(port) for _ in range(concurrency)]  # one keep-alive connection each
+    for pool in pools:  # warm each connection
         for _ in range(3):
-            await conn.ask(req)
+            await ask(pool, req)
     latencies: list[float] = []
     bad = 0
     left = n
 
-    async def worker(conn: Conn) -> None:
+    async def worker(pool: ConnectionPool) -> None:
         nonlocal left, bad
         while left > 0:
             left -= 1
-            latencies.append(await conn.ask(req))
-            if conn.status != 200 or conn.x_cache != expect:
+            response = await ask(pool, req)
+            latencies.append(response.done - response.sent)
+            if response.status != 200 or response.headers.get("x-cache") != expect:
                 bad += 1
 
     started = time.perf_counter()
-    await asyncio.gather(*(worker(c) for c in conns))
+    await asyncio.gather(*(worker(p) for p in pools))
     elapsed = time.perf_counter() - started
-    for conn in conns:
-        conn.transport.close()
+    for pool in pools:
+        pool.close()
     latencies.sort()
     return {
         "p50": latencies[len(latencies) // 2] * 1000,
@@ -177,41 +164,14 @@ async def run_load(port: int, req: bytes, concurrency: int, n: int, expect: byte
 async def burst(ports: list[int], key: str, n: int, headers: dict[str, str] | None = None) -> int:
     """n identical requests at once (half JSON, half SSE); returns how many answered 200."""
     reqs = [request(chat(key, i % 2 == 1, ttft=0.5), headers) for i in range(n)]
-    conns = [await connect(ports[i % len(ports)]) for i in range(n)]
-    await asyncio.gather(*(c.ask(r) for c, r in zip(conns, reqs)))
-    ok = sum(c.status == 200 for c in conns)
-    for conn in conns:
-        conn.transport.close()
-    return ok
+    pools = [pool_for(port) for port in ports]  # a connection each for requests at once
+    responses = await asyncio.gather(*(ask(pools[i % len(pools)], r) for i, r in enumerate(reqs)))
+    for pool in pools:
+        pool.close()
+    return sum(r.status == 200 for r in responses)
 
 
 # -- processes ---------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def pinned(core: str, argv: list[str]) -> list[str]:
-    return ["taskset", "-c", core, *argv] if shutil.which("taskset") else argv
-
-
-def wait_http(port: int, path: str, proc: subprocess.Popen, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"process {proc.args} exited with {proc.returncode}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
-                sock.sendall(f"GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n".encode())
-                if sock.recv(64).startswith(b"HTTP/1.1 200"):
-                    return
-        except OSError:
-            pass
-        time.sleep(0.05)
-    raise RuntimeError(f"{proc.args} did not answer {path}")
 
 
 def upstream_count(port: int) -> int:
@@ -239,16 +199,6 @@ def start_gateway(tmp: str, upstream_port: int, cache: dict) -> tuple[subprocess
                             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     wait_http(port, "/healthz", proc)
     return proc, port
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 # -- profile ------------------------------------------------------------------------------
@@ -293,7 +243,7 @@ async def profile(port: int, tmp: str, seconds: int = 8) -> str:
     req = request(chat("hit-json", False))
     deadline = time.monotonic() + seconds + 1
     while time.monotonic() < deadline:
-        await run_load(port, req, 16, 1000, b"HIT")
+        await run_load(port, req, 16, 1000, "HIT")
     spy_proc.wait(30)
     if not os.path.exists(raw):
         return f"py-spy failed: {spy_proc.stderr.read().decode(errors='replace')[-400:]}"
@@ -327,16 +277,16 @@ async def bench(args: argparse.Namespace, tmp: str) -> None:
 
         rows: list[tuple[str, str, dict, dict]] = []
         cases = [
-            ("memory hit", mem_port, {}, b"HIT"),
-            ("Redis hit", rds_port, {}, b"HIT"),
-            ("uncached relay (no-store)", mem_port, {"cache-control": "no-store"}, b"BYPASS"),
+            ("memory hit", mem_port, {}, "HIT"),
+            ("Redis hit", rds_port, {}, "HIT"),
+            ("uncached relay (no-store)", mem_port, {"cache-control": "no-store"}, "BYPASS"),
         ]
         for label, port, headers, expect in cases:
             for stream in (False, True):
                 req = request(chat("hit-" + ("sse" if stream else "json"), stream), headers)
-                conn = await connect(port)
-                await conn.ask(req)  # store the entry (a MISS), or a first relayed request
-                conn.transport.close()
+                pool = pool_for(port)
+                await ask(pool, req)  # store the entry (a MISS), or a first relayed request
+                pool.close()
                 lat, tput = [], []
                 for _ in range(args.reps):
                     lat.append(await run_load(port, req, 1, args.n, expect))

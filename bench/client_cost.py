@@ -14,43 +14,18 @@ other process started, and it is stopped by its PID.
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
-import shutil
-import socket
 import statistics
 import subprocess
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.processes import free_port, pinned, stop, wait_http  # noqa: E402
+
 PY = sys.executable
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def pinned(core: int, argv: list[str]) -> list[str]:
-    return ["taskset", "-c", str(core), *argv] if shutil.which("taskset") and (os.cpu_count() or 1) > 1 else argv
-
-
-def wait_ready(port: int, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("the upstream exited")
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
-            conn.request("GET", "/health")
-            if conn.getresponse().status == 200:
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError("the upstream did not start")
 
 
 def measure(port: int, requests: int, concurrency: int, stream: bool) -> dict:
@@ -84,7 +59,7 @@ def main() -> int:
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
-        wait_ready(port, upstream)
+        wait_http(port, "/health", upstream, timeout=20)
         print("| answer | concurrency | loadgen CPU ms/request | its core share | lag p99 ms | req/s | failed |")
         print("|---|---:|---:|---:|---:|---:|---:|")
         for stream in (False, True):
@@ -98,8 +73,7 @@ def main() -> int:
                     flush=True,
                 )
     finally:
-        upstream.terminate()
-        upstream.wait(10)
+        stop(upstream)
     return 0
 
 

@@ -37,7 +37,7 @@ import yaml
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.overload import free_port, stop, wait_port  # noqa: E402
+from bench.processes import free_port, stop, wait_port  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
@@ -128,7 +128,7 @@ def ask(url: str, headers: dict) -> dict:
 def start_ready(config: dict, port: int, workdir: str) -> subprocess.Popen:
     """``python -m gateway serve`` on ``config``, once its /readyz answers 200 and, with the
     edge engine on, the engine answers a one-token request (workers serve the clusters
-    while the engine's process loads); the caller stops it (``bench.overload.stop``)."""
+    while the engine's process loads); the caller stops it (``bench.processes.stop``)."""
     path = os.path.join(workdir, f"{port}.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(config, f)

@@ -34,7 +34,7 @@ by repeat):
   single stream;
 - prefill: TTFT of fresh ~1,000-token prompts per mode and llama.cpp's prompt processing;
 - answers: greedy outputs of 50 fixed prompts against float32 (share identical, first
-  divergence) and perplexity on a held-out text (``tests/edge_engine/quality.py``), for each
+  divergence) and perplexity on a held-out text (``edge_engine/quality.py``), for each
   mode and llama.cpp;
 - a decode step's breakdown per mode: the whole step, its linear layers alone, the rest;
 - TTFT with a repeated ~1,000-token system prompt, prefix caching on vs off;
@@ -65,7 +65,7 @@ sys.path.insert(0, str(ROOT))
 from edge_engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from edge_engine.loader import load_model  # noqa: E402
 from edge_engine.sequence import Sequence  # noqa: E402
-from tests.edge_engine.quality import HELDOUT_TEXT, PROMPTS, agreement, greedy_outputs, perplexity  # noqa: E402
+from edge_engine.quality import HELDOUT_TEXT, PROMPTS, agreement, greedy_outputs, perplexity  # noqa: E402
 
 QUESTION = "Explain in a few sentences why the sky is blue, and what makes sunsets red and orange."
 FRANCE = "What is the capital of France?"

@@ -11,7 +11,7 @@ gamma sends one request every 0.5 s. Before, admission predicted gamma's wait fr
 waiting request of the class and answered gamma 503 ``capacity_exceeded`` 18 times in 20
 (20 in 20 when acme sent a huge budget), while the fair queue would have served gamma first.
 
-Processes (started and stopped here by PID; traffic only on 127.0.0.1): ``bench/fakes.py``'s
+Processes (started and stopped here by PID; traffic only on 127.0.0.1): ``loadgen/fake_upstream.py``'s
 scripted upstream (one slot: an inference server that answers one request at a time, TTFT
 0.05 s, 15 tokens 10 ms apart: 0.2 s a request, 5 requests/s; gamma offers 2/s, under its fair half) and the gateway (``python -m gateway serve``). Four phases in
 one run: ``admission.predict`` on and off, acme sending the tenant's budget (1 s) or a huge
@@ -39,7 +39,8 @@ sys.path.insert(0, ROOT)
 
 import yaml  # noqa: E402
 
-from bench.overload import free_port, one, pinned, stop, wait_port  # noqa: E402
+from bench.overload import one  # noqa: E402
+from bench.processes import free_port, pinned, stop, wait_port  # noqa: E402
 from loadgen.http import BaseURL, ConnectionPool  # noqa: E402
 from loadgen.openai import RequestHead  # noqa: E402
 
@@ -51,7 +52,7 @@ BODY = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], 
 
 def start_upstream(port: int) -> subprocess.Popen:
     code = (
-        "import sys, uvicorn; sys.path.insert(0, %r); from bench.fakes import FakeApp; "
+        "import sys, uvicorn; sys.path.insert(0, %r); from loadgen.fake_upstream import FakeApp; "
         "app = FakeApp(['fake-model'], {'slots': 1, 'ttft': %r, 'tokens': %d, 'delay': %r}); "
         "app.requests = type('Discard', (list,), {'append': lambda self, item: None})(); "
         "uvicorn.run(app, host='127.0.0.1', port=%d, log_level='error', lifespan='off', access_log=False)"

@@ -7,17 +7,17 @@ benchmark measures. Answers
     GET  /v1/models, /health
     POST /v1/traces                               200, empty (an OTLP/HTTP sink for traced gateways)
 
-The answers have the shape of ``bench/fakes.py`` (same ids, fields and token texts): a stream
+The answers have the shape of ``loadgen/fake_upstream.py`` (same ids, fields and token texts): a stream
 is ``--tokens`` content chunks, one chunk with ``finish_reason: "stop"``, then
 ``data: [DONE]`` (tokens + 2 events), sent chunked, one event per event-loop turn (a
 zero-delay token stream: each event is its own ``write``, streams on different
 connections interleave), or ``"fake": {"delay": SECONDS}`` apart when the request body asks
-(as ``bench/fakes.py`` does). Responses are built once per (model, kind, stream) and cached.
+(as ``loadgen/fake_upstream.py`` does). Responses are built once per (model, kind, stream) and cached.
 
     .venv/bin/python bench/fast_upstream.py --port 9001 [--tokens 64]
-    .venv/bin/python bench/fast_upstream.py --port 9002 --hypercorn   # h2c + h1: bench/fakes.py under hypercorn
+    .venv/bin/python bench/fast_upstream.py --port 9002 --hypercorn   # h2c + h1: loadgen/fake_upstream.py under hypercorn
 
-``--hypercorn`` serves the ``bench/fakes.py`` app instead (HTTP/1.1 and HTTP/2 cleartext with
+``--hypercorn`` serves the ``loadgen/fake_upstream.py`` app instead (HTTP/1.1 and HTTP/2 cleartext with
 prior knowledge on one port; much slower, but it speaks h2c).
 """
 
@@ -187,7 +187,7 @@ class Connection(asyncio.Protocol):
         if path not in (b"/v1/chat/completions", b"/v1/completions"):
             self.transport.write(answers.not_found)
             return
-        kind = "chat" if path == b"/v1/chat/completions" else "completion"
+        kind = "chat" if path == b"/v1/chat/completions" else "completions"
         try:
             data = orjson.loads(b"".join(self.body))
             model = str(data.get("model", "?"))
@@ -238,7 +238,7 @@ async def serve_hypercorn(host: str, port: int, tokens: int, models: list[str]) 
     from hypercorn.asyncio import serve
     from hypercorn.config import Config
 
-    from bench.fakes import FakeApp, honour_h2_flow_control
+    from loadgen.fake_upstream import FakeApp, honour_h2_flow_control
 
     honour_h2_flow_control()
     app = FakeApp(models, {"tokens": tokens})
@@ -255,7 +255,7 @@ async def serve_hypercorn(host: str, port: int, tokens: int, models: list[str]) 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    print(f"hypercorn bench/fakes.py upstream on http://{host}:{port} (h1 + h2c)", flush=True)
+    print(f"hypercorn loadgen/fake_upstream.py upstream on http://{host}:{port} (h1 + h2c)", flush=True)
     await serve(app, config, shutdown_trigger=stop.wait, mode="asgi")
 
 
@@ -270,7 +270,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--tokens", type=int, default=64, help="content chunks per answer (default 64)")
     parser.add_argument("--model", action="append", default=[], help="model listed by /v1/models (repeatable)")
-    parser.add_argument("--hypercorn", action="store_true", help="serve bench/fakes.py under hypercorn (h1 + h2c)")
+    parser.add_argument("--hypercorn", action="store_true", help="serve loadgen/fake_upstream.py under hypercorn (h1 + h2c)")
     parser.add_argument("--no-uvloop", action="store_true")
     args = parser.parse_args()
     models = args.model or ["bench-model"]

@@ -79,6 +79,8 @@ sys.path[:0] = [ROOT, HERE]
 import httptools  # noqa: E402
 import orjson  # noqa: E402
 
+from bench.processes import Child, free_port  # noqa: E402
+
 MODEL = "sim-8b"
 CHARS_PER_TOKEN = 4
 BLOCK_TOKENS = 16
@@ -582,67 +584,15 @@ def nominal_capacity(step: dict, scale: float, mean_prompt: float, shared: float
 # -- processes ------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Proc:
-    """A process this script started (only those are ever signalled, by PID)."""
+class Proc(Child):
+    """A process this script started: its simulated servers and routers log little (RUST_LOG)
+    and import the project (PYTHONPATH)."""
 
     def __init__(self, name: str, argv: list[str], tmp: str, cwd: str = ROOT) -> None:
-        import psutil
+        super().__init__(name, argv, tmp, cwd, env={"PYTHONPATH": ROOT, "RUST_LOG": "warn"})
 
-        self.name = name
-        self.log_path = os.path.join(tmp, f"{name}.log")
-        self.log = open(self.log_path, "wb")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": ROOT, "RUST_LOG": "warn"}
-        self.proc = subprocess.Popen(argv, cwd=cwd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        self.ps = psutil.Process(self.proc.pid)
-
-    def cpu(self) -> float:
-        import psutil
-
-        total = 0.0
-        for p in [self.ps, *self.ps.children(recursive=True)]:
-            try:
-                t = p.cpu_times()
-                total += t.user + t.system
-            except psutil.NoSuchProcess:
-                pass
-        return total
-
-    def wait_http(self, port: int, path: str, timeout: float = 60, want: int = 200) -> None:
-        import http.client
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited:\n{open(self.log_path, errors='replace').read()[-3000:]}")
-            try:
-                c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-                c.request("GET", path)
-                status = c.getresponse().status
-                c.close()
-                if status == want:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"{self.name} not ready on :{port}{path}: {open(self.log_path, errors='replace').read()[-2000:]}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
+    def wait_http(self, port: int, path: str, timeout: float = 60) -> None:
+        super().wait_http(port, path, timeout)
 
 
 def get_json(port: int, path: str):

@@ -32,21 +32,10 @@ import tempfile
 import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
 
-from relay import (  # noqa: E402
-    GATEWAY_CORE,
-    MODEL,
-    OTHER_CORE,
-    PY,
-    TOKENS,
-    Child,
-    free_port,
-    gateway_config,
-    pinned,
-    run_phase,
-    summarise,
-)
+from bench.processes import Child, free_port, pinned  # noqa: E402
+from relay import GATEWAY_CORE, MODEL, OTHER_CORE, PY, TOKENS, gateway_config, run_phase, summarise  # noqa: E402
 
 SHIM = '''import os
 from gateway.node.app import create_app

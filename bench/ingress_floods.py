@@ -12,7 +12,7 @@ gateway's own pools (kept-alive connections), each with a 2 s timeout (past it: 
 ``--baseline PATH`` runs every flood against a gateway started from another checkout too
 (``git worktree add /tmp/base <commit>``), in the same run, before the candidate.
 
-The floods (``bench/flood_clients.py``; a flooder whose connection is closed opens another,
+The floods (``loadgen/floods.py``; a flooder whose connection is closed opens another,
 until the time is up):
 
 - ``rapid-reset``: HTTP/2 HEADERS + RST_STREAM pairs (CVE-2023-44487);
@@ -46,8 +46,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import datetime
-import ipaddress
 import json
 import os
 import resource
@@ -59,18 +57,16 @@ import tempfile
 import time
 
 import yaml
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from hyperframe.frame import ContinuationFrame, HeadersFrame  # noqa: E402
 
-from bench.flood_clients import H2_FLOODS, RawH2, h3_connect  # noqa: E402
-from bench.relay import GATEWAY_CORE, MODEL, OTHER_CORE, PY, TOKENS, Child, free_port, pinned  # noqa: E402
+from loadgen.certificates import make_certificate  # noqa: E402
+from loadgen.floods import H2_FLOODS, RawH2, h3_connect  # noqa: E402
+from bench.processes import Child, free_port, pinned  # noqa: E402
+from bench.relay import GATEWAY_CORE, MODEL, OTHER_CORE, PY, TOKENS  # noqa: E402
 from gateway.upstream import H1Pool, H2Pool, H3Pool, Origin, Timeouts  # noqa: E402
 
 FLOODS = [
@@ -80,25 +76,6 @@ FLOODS = [
 ]
 TIMEOUT_S = 2.0
 CHAT = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Say something short."}]}).encode()
-
-
-def make_certificate(folder: str) -> tuple[str, str]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (
-        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-        .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-        .sign(key, hashes.SHA256())
-    )
-    certfile, keyfile = os.path.join(folder, "cert.pem"), os.path.join(folder, "key.pem")
-    with open(certfile, "wb") as f:
-        f.write(cert.public_bytes(serialization.Encoding.PEM))
-    with open(keyfile, "wb") as f:
-        f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
-    return certfile, keyfile
 
 
 # -- the flooder (a child process: --flood NAME) ------------------------------------------

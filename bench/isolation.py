@@ -39,7 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.edge_contention import Bulk, start_ready  # noqa: E402
-from bench.overload import free_port, stop, wait_port  # noqa: E402
+from bench.processes import free_port, stop, wait_port  # noqa: E402
 from loadgen.http import BaseURL, ConnectionPool, HttpError  # noqa: E402
 from loadgen.openai import RequestHead, make_reader  # noqa: E402
 

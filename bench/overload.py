@@ -4,7 +4,7 @@
 
 Processes (each started here, stopped here by PID; traffic only on 127.0.0.1):
 
-- the upstream: ``bench/fakes.py``'s scripted server under uvicorn with ``slots: 4`` (it
+- the upstream: ``loadgen/fake_upstream.py``'s scripted server under uvicorn with ``slots: 4`` (it
   answers four requests at a time and queues the rest first come, first served, as an
   inference server does), each answer a stream with a TTFT of 0.2 s and 20 tokens 20 ms
   apart: one slot is busy 0.6 s, so the capacity is 4 / 0.6 = 6.7 requests/s;
@@ -37,8 +37,6 @@ import json
 import os
 import random
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -50,6 +48,7 @@ import yaml
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench.processes import free_port, pinned, stop, wait_port  # noqa: E402
 from loadgen.http import BaseURL, ConnectionPool, HttpError  # noqa: E402
 from loadgen.openai import RequestHead, make_reader  # noqa: E402
 
@@ -63,32 +62,9 @@ TENANTS = {  # name: (key, priority, budget ms, share of the load)
 BODY = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": TOKENS}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_port(port: int, proc: subprocess.Popen, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"nothing listens on {port}")
-
-
-def pinned(core: str, argv: list[str]) -> list[str]:
-    return (["taskset", "-c", core] if shutil.which("taskset") else []) + argv
-
-
 def start_upstream(port: int) -> subprocess.Popen:
     code = (
-        "import sys, uvicorn; sys.path.insert(0, %r); from bench.fakes import FakeApp; "
+        "import sys, uvicorn; sys.path.insert(0, %r); from loadgen.fake_upstream import FakeApp; "
         "app = FakeApp(['fake-model'], {'slots': %d, 'ttft': %r, 'tokens': %d, 'delay': %r}); "
         "app.requests = type('Discard', (list,), {'append': lambda self, item: None})(); "
         "uvicorn.run(app, host='127.0.0.1', port=%d, log_level='error', lifespan='off', access_log=False)"
@@ -130,14 +106,7 @@ def start_gateway(config: dict, workdir: str) -> tuple[subprocess.Popen, str]:
     return proc, f"http://127.0.0.1:{config['listen']['port']}/v1"
 
 
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+
 
 
 @dataclass

@@ -11,7 +11,7 @@ Processes (each started here, stopped here by PID; traffic only on 127.0.0.1):
 
 - upstream ``bench/fast_upstream.py`` (raw asyncio + httptools, zero delays, 64-token
   answers), pinned with ``taskset -c 1``;
-- for the HTTP/2 variant, ``bench/fast_upstream.py --hypercorn`` (``bench/fakes.py`` under
+- for the HTTP/2 variant, ``bench/fast_upstream.py --hypercorn`` (``loadgen/fake_upstream.py`` under
   hypercorn: h1 and h2c on one port), also ``taskset -c 1``;
 - the gateway, ``taskset -c 0 python -m gateway serve --config <tmp yaml>``, once with
   ``protocol: http1`` towards the fast upstream and once with ``protocol: http2`` towards
@@ -23,8 +23,9 @@ Processes (each started here, stopped here by PID; traffic only on 127.0.0.1):
   core 0 like the gateway: one worker, ``proxy_buffering off``, HTTP/1.1 keep-alive to the
   upstream (``keepalive 128``), no access log; its added latency and CPU are reported
   beside the gateway's and as the gateway's ratio to them;
-- the load generator is this process, pinned to core 1 (with the upstreams): a raw
-  asyncio (uvloop) + httptools keep-alive HTTP/1.1 client, a few tens of µs per request.
+- the load generator is this process, pinned to core 1 (with the upstreams): loadgen's
+  keep-alive HTTP/1.1 client (``loadgen/http.py``: asyncio (uvloop) + httptools, a few tens
+  of µs per request; ``edgegw bench`` measures with the same one).
 
 Loads, each on fresh keep-alive connections after a warm-up of 2 requests per connection,
 with a fixed number of requests: non-streaming chat completions at concurrency 1, 16, 64;
@@ -74,7 +75,6 @@ import itertools
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -82,11 +82,15 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-import httptools
 import psutil
 import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.processes import Child, free_port, pinned  # noqa: E402
+from loadgen.http import BaseURL, ConnectionPool, HttpError, Response  # noqa: E402
+
 PY = sys.executable
 MODEL = "bench-model"
 TOKENS = 64
@@ -100,7 +104,7 @@ _MESSAGES = [{"role": "user", "content": "Say something short."}]
 def _request(stream: bool, delay: float = 0.0) -> bytes:
     payload = {"model": MODEL, "messages": _MESSAGES, "max_tokens": TOKENS, "stream": stream}
     if delay:
-        payload["fake"] = {"delay": delay}  # the upstream's time between tokens (bench/fakes.py's script field)
+        payload["fake"] = {"delay": delay}  # the upstream's time between tokens (loadgen/fake_upstream.py's script field)
     body = json.dumps(payload).encode()
     head = (
         b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
@@ -121,129 +125,28 @@ PACED_STREAM_S = TOKENS * 0.01
 REQUESTS = {(s, d): _request(s, d) for s, d in [(False, 0.0), (True, 0.0)] + [(True, x[3]) for x in STREAM]}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-# -- processes -------------------------------------------------------------------------
-
-
-class Child:
-    """A process started by this script (and only those are ever signalled)."""
-
-    def __init__(self, name: str, argv: list[str], log_dir: str, cwd: str = ROOT) -> None:
-        self.name = name
-        self.log_path = os.path.join(log_dir, f"{name}.log")
-        self.log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            argv, cwd=cwd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
-        )
-        self.ps = psutil.Process(self.proc.pid)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def wait_http(self, port: int, path: str, timeout: float = 30) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited:\n{open(self.log_path).read()}")
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
-                conn.request("GET", path)
-                if conn.getresponse().status == 200:
-                    conn.close()
-                    return
-                conn.close()
-            except OSError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError(f"{self.name} did not become ready on :{port}{path}")
-
-    def cpu(self) -> float:
-        """CPU seconds of the process and of its children (a gateway's workers)."""
-        total = 0.0
-        for proc in [self.ps, *self.ps.children(recursive=True)]:
-            try:
-                t = proc.cpu_times()
-            except psutil.NoSuchProcess:
-                continue
-            total += t.user + t.system
-        return total
-
-    def peak_rss(self) -> int:
-        with open(f"/proc/{self.pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-        return self.ps.memory_info().rss
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-
-
-def pinned(core: int | str, argv: list[str]) -> list[str]:
-    return ["taskset", "-c", str(core), *argv] if shutil.which("taskset") else argv
-
-
 # -- the load generator ----------------------------------------------------------------
 
 
-class ClientConn(asyncio.Protocol):
-    """One keep-alive HTTP/1.1 connection, one request at a time, timestamps in callbacks."""
+class EventCounter:
+    """Reads one response for loadgen's client (a ``loadgen.http.BodyReader``): its bytes,
+    the first byte's time, and for a stream its SSE events with the gaps between their
+    arrivals (events that arrive in one read count as gaps of 0: what a client sees) and
+    its tail, to check the ``[DONE]``."""
 
-    def __init__(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.parser = httptools.HttpResponseParser(self)
-        self.transport: asyncio.Transport | None = None
-        self.waiter: asyncio.Future | None = None
-        self.now = 0.0
-        self.stream = False
-        self.delay = 0.0
-        self.gaps: list[float] | None = None
-        self.reset()
+    __slots__ = ("stream", "gaps", "first", "last_event", "events", "nbytes", "half_boundary", "tail")
 
-    def reset(self) -> None:
-        self.t0 = 0.0
+    def __init__(self, stream: bool, gaps: list[float]) -> None:
+        self.stream = stream
+        self.gaps = gaps
         self.first = 0.0
         self.last_event = 0.0
-        self.done = 0.0
         self.events = 0
         self.nbytes = 0
-        self.status = 0
         self.half_boundary = False
         self.tail = b""
 
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def connection_lost(self, exc) -> None:
-        waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_exception(ConnectionError("connection lost"))
-
-    def data_received(self, data: bytes) -> None:
-        self.now = time.perf_counter()
-        self.parser.feed_data(data)
-
-    def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
-
-    def on_body(self, body: bytes) -> None:
-        now = self.now
+    def feed(self, body: bytes, now: float) -> None:
         self.nbytes += len(body)
         if not self.first:
             self.first = now
@@ -257,39 +160,34 @@ class ClientConn(asyncio.Protocol):
                 last = self.last_event
                 for _ in range(n):
                     if last:
-                        gaps.append(now - last)  # type: ignore[union-attr]
+                        gaps.append(now - last)
                     last = now
                 self.last_event = now
                 self.events += n
             self.tail = (self.tail + body)[-200:]
 
-    def on_message_complete(self) -> None:
-        self.done = self.now
-        waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    async def request(self, stream: bool, gaps: list[float] | None) -> None:
-        self.reset()
-        self.stream = stream
-        self.gaps = gaps
-        self.waiter = self.loop.create_future()
-        self.t0 = time.perf_counter()
-        self.transport.write(REQUESTS[stream, self.delay])  # type: ignore[union-attr]
-        await self.waiter
-
-    def ok(self) -> bool:
-        if self.status != 200 or not self.nbytes:
+    def ok(self, status: int) -> bool:
+        if status != 200 or not self.nbytes:
             return False
         if self.stream:
             return self.events == EVENTS and self.tail.endswith(b"data: [DONE]\n\n")
         return True
 
 
-async def connect(port: int) -> ClientConn:
-    loop = asyncio.get_running_loop()
-    _, conn = await loop.create_connection(ClientConn, "127.0.0.1", port)
-    return conn
+class Client:
+    """One keep-alive HTTP/1.1 connection of loadgen's client (``loadgen/http.py``), one
+    request at a time, the benchmark's prepared request bytes."""
+
+    def __init__(self, port: int, delay: float = 0.0) -> None:
+        self.pool = ConnectionPool(BaseURL.parse(f"http://127.0.0.1:{port}"))
+        self.delay = delay
+
+    async def request(self, stream: bool, gaps: list[float]) -> tuple[Response, EventCounter]:
+        response = await self.pool.request(REQUESTS[stream, self.delay], lambda status, headers: EventCounter(stream, gaps), 300)
+        return response, response.reader
+
+    def close(self) -> None:
+        self.pool.close()
 
 
 @dataclass
@@ -308,60 +206,48 @@ class PhaseResult:
 async def run_phase(
     port: int, concurrency: int, total: int, stream: bool, gateway: Child | None, delay: float = 0.0
 ) -> PhaseResult:
-    conns = await asyncio.gather(*(connect(port) for _ in range(concurrency)))
-    for c in conns:
-        c.delay = delay
+    clients = [Client(port, delay) for _ in range(concurrency)]
     try:
         for _ in range(2):  # warm-up: connections, upstream pool, caches
-            await asyncio.gather(*(c.request(stream, []) for c in conns), return_exceptions=True)
-        for i, c in enumerate(conns):
-            if c.transport is None or c.transport.is_closing():
-                conns[i] = await connect(port)
-                conns[i].delay = delay
+            await asyncio.gather(*(c.request(stream, []) for c in clients), return_exceptions=True)
         result = PhaseResult()
         counter = itertools.count()
         gaps = result.gaps
 
-        async def worker(index: int, conn: ClientConn) -> None:
+        async def worker(index: int, client: Client) -> None:
             if delay:  # stagger the paced streams over one stream's duration
                 await asyncio.sleep(index * TOKENS * delay / concurrency)
             while next(counter) < total:
                 try:
-                    await conn.request(stream, gaps)
-                except (ConnectionError, RuntimeError) as exc:  # the server dropped the connection
+                    response, read = await client.request(stream, gaps)
+                except HttpError as exc:  # the server dropped the connection: the next request opens another
                     result.requests += 1
                     result.errors += 1
-                    result.error_kinds[f"connection lost ({exc.__class__.__name__})"] += 1
-                    if conn.transport is not None:
-                        conn.transport.close()
-                    conn = await connect(port)
-                    conn.delay = delay
-                    conns.append(conn)
+                    result.error_kinds[f"{exc.kind}: {exc.detail}"] += 1
                     continue
                 result.requests += 1
-                if not conn.ok():
+                if not read.ok(response.status):
                     result.errors += 1
-                    result.error_kinds[f"status {conn.status}, {conn.events} events, ends {conn.tail[-160:]!r}"] += 1
+                    result.error_kinds[f"status {response.status}, {read.events} events, ends {read.tail[-160:]!r}"] += 1
                     continue
                 if stream:
-                    result.ttft.append(conn.first - conn.t0)
-                    result.events += conn.events
-                result.e2e.append(conn.done - conn.t0)
+                    result.ttft.append(read.first - response.sent)
+                    result.events += read.events
+                result.e2e.append(response.done - response.sent)
 
         gc.collect()
         gc.disable()
         cpu0 = gateway.cpu() if gateway else 0.0
         start = time.perf_counter()
-        await asyncio.gather(*(worker(i, c) for i, c in enumerate(list(conns))))
+        await asyncio.gather(*(worker(i, c) for i, c in enumerate(clients)))
         result.wall = time.perf_counter() - start
         if gateway:
             result.cpu = gateway.cpu() - cpu0
         gc.enable()
         return result
     finally:
-        for c in conns:
-            if c.transport is not None:
-                c.transport.close()
+        for c in clients:
+            c.close()
         await asyncio.sleep(0.05)
 
 
@@ -795,7 +681,7 @@ def report(results: dict, peaks: dict[str, int], command: str, reps: int, revisi
     if "gw-h1-traced" in results:
         variants.append(("h1 + traces", "direct-h1", "gw-h1-traced", "as h1, every request traced, OTLP/HTTP export"))
     if "gw-h2" in results:
-        variants.append(("h2", "direct-hc", "gw-h2", "HTTP/2 (h2c) → hypercorn bench/fakes.py; direct = hypercorn over h1"))
+        variants.append(("h2", "direct-hc", "gw-h2", "HTTP/2 (h2c) → hypercorn loadgen/fake_upstream.py; direct = hypercorn over h1"))
     if "nginx-h1" in results:
         variants.append(("nginx (reference)", "direct-h1", "nginx-h1", "nginx, one worker, proxy_buffering off"))
     out.append(f"Command: `{command}`  ")

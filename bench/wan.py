@@ -62,12 +62,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 PY = sys.executable
 sys.path[:0] = [ROOT, HERE]
+
+from loadgen.certificates import make_certificate  # noqa: E402
+from bench.processes import Child, free_port, pinned  # noqa: E402
 
 MODEL = "bench-model"
 TOKENS = 64
@@ -280,29 +282,9 @@ async def emulate(args: argparse.Namespace) -> None:
 # -- processes ---------------------------------------------------------------------------
 
 
-def make_certificate(folder: str) -> tuple[str, str]:
-    from tests.fakes_h3 import make_certificate as make
-
-    return make(Path(folder))
-
-
-def free_port() -> int:
-    while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as tcp, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
-            tcp.bind(("127.0.0.1", 0))
-            port = tcp.getsockname()[1]
-            try:
-                udp.bind(("127.0.0.1", port))  # free for both: TCP and UDP listeners share numbers
-            except OSError:
-                continue
-            return port
-
-
 class Emulator:
     def __init__(self, tmp: str, rtt_ms: float, loss: float, tcp_target: int, udp_target: int, seed: int) -> None:
-        from relay import Child, pinned
-
-        self.tcp_port, self.udp_port = free_port(), free_port()
+        self.tcp_port, self.udp_port = free_port(udp=True), free_port(udp=True)
         argv = [
             PY, __file__, "--emulate", "--rtt-ms", str(rtt_ms), "--loss", str(loss), "--seed", str(seed),
             "--tcp-port", str(self.tcp_port), "--tcp-target", str(tcp_target),
@@ -501,14 +483,14 @@ async def phase_b(central, tmp: str, cafile: str, rtts: list[float], losses: lis
 
 async def phase_c(central, fast_port: int, tmp: str, cafile: str, reps: int, scale: float) -> dict:
     import yaml
-    from relay import Child, pinned, run_phase, summarise
+    from relay import run_phase, summarise
 
     edges = {}
     children = []
     try:
         for kind, protocol, port in (("h1", "http1", central["tls_port"]), ("h2", "http2", central["tls_port"]),
                                      ("h3", "http3", central["h3_port"])):
-            edge_port = free_port()
+            edge_port = free_port(udp=True)
             endpoint = {"url": f"https://127.0.0.1:{port}", "protocol": protocol, "ca_file": cafile,
                         "pool_size": 64, "warm_connections": 8 if kind == "h1" else 1}
             config = {"clusters": [{"name": "central", "models": [MODEL], "endpoints": [endpoint]}],
@@ -634,18 +616,17 @@ def report_c(c: dict) -> list[str]:
 
 async def run(args: argparse.Namespace) -> None:
     import yaml
-    from relay import Child, pinned
 
     tmp = tempfile.mkdtemp(prefix="edgegw-wan-")
     certfile, keyfile = make_certificate(tmp)
     children = []
     try:
-        fast_port = free_port()
+        fast_port = free_port(udp=True)
         fast = Child("fast-upstream", pinned(1, [PY, "bench/fast_upstream.py", "--port", str(fast_port),
                                                   "--tokens", str(TOKENS), "--model", MODEL]), tmp)
         children.append(fast)
         fast.wait_http(fast_port, "/health")
-        port, tls_port, h3_port = free_port(), free_port(), free_port()
+        port, tls_port, h3_port = free_port(udp=True), free_port(udp=True), free_port(udp=True)
         config = {
             "clusters": [{"name": "inference", "models": [MODEL],
                           "endpoints": [{"url": f"http://127.0.0.1:{fast_port}", "pool_size": 128, "warm_connections": 8}]}],

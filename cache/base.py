@@ -25,7 +25,7 @@ CHUNK_OVERHEAD = 40
 class Entry:
     """One stored response, kept as received: the JSON body, or the SSE chunk payloads."""
 
-    kind: str  # "chat" | "completion"
+    kind: str  # "chat" | "completions"
     chunks: list[bytes] | None = None  # JSON payloads of the SSE data events, no [DONE]
     body: bytes | None = None  # the JSON response body
     created_at: float = field(default_factory=time.time)  # wall clock when produced

@@ -1,7 +1,8 @@
-"""`CacheConfig`: the cache section of the gateway config (built by gateway/settings.py)."""
+"""`CacheConfig`: the cache section of the gateway config (built by gateway/core/settings.py)."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -22,8 +23,9 @@ class CacheConfig(BaseModel):
     max_entry_bytes: int = Field(default=4 * MiB, gt=0)
     # seconds an entry lives when its route has no TTL of its own
     default_ttl: float = Field(default=300.0, ge=0)
-    # per-route TTL in seconds ("chat", "completion", "embeddings"); 0 disables caching for that route
-    route_ttl: dict[Literal["chat", "completion", "embeddings"], float] = Field(default_factory=dict)
+    # per-route TTL in seconds ("chat", "completions", "embeddings"; "completion", the first
+    # name of completions, still works with a warning); 0 disables caching for that route
+    route_ttl: dict[Literal["chat", "completions", "embeddings"], float] = Field(default_factory=dict)
     # whether a request without `temperature` is greedy on the models behind this gateway
     # (OpenAI, vLLM and the edge engine default to temperature 1: not greedy)
     default_greedy: bool = False
@@ -48,6 +50,18 @@ class CacheConfig(BaseModel):
     # values become part of the key, like HTTP's Vary; names are case-insensitive
     vary_headers: tuple[str, ...] = ()
 
+    @field_validator("route_ttl", mode="before")
+    @classmethod
+    def _old_route_name(cls, value):
+        """``route_ttl.completion`` (the key's first name) still works, with a warning: the
+        API is "completions" everywhere."""
+        if isinstance(value, dict) and "completion" in value:
+            warnings.warn("cache.route_ttl.completion is deprecated: use completions", FutureWarning, stacklevel=2)
+            value = dict(value)
+            old = value.pop("completion")
+            value.setdefault("completions", old)
+        return value
+
     @field_validator("vary_headers")
     @classmethod
     def _lower(cls, value: tuple[str, ...]) -> tuple[str, ...]:
@@ -63,7 +77,7 @@ class CacheConfig(BaseModel):
         return self
 
     def ttl_for(self, kind: str) -> float:
-        """The TTL in seconds for a route kind ("chat" or "completion")."""
+        """The TTL in seconds for a route kind ("chat" or "completions")."""
         return self.route_ttl.get(kind, self.default_ttl)  # type: ignore[call-overload]
 
     @property

@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 
 SCHEMA_VERSION = "v1"
-KINDS = ("chat", "completion", "embeddings")
+KINDS = ("chat", "completions", "embeddings")
 
 # Top-level request fields that do not change the response content.
 IGNORED_FIELDS = frozenset(
@@ -63,7 +63,7 @@ def canonical_body(body: dict[str, Any]) -> bytes:
 def make_key(
     tenant: str, kind: str, body: dict[str, Any], vary: tuple[tuple[str, str], ...] = ()
 ) -> str:
-    """The cache key of a request `body` for `tenant` on route `kind` ("chat"|"completion").
+    """The cache key of a request `body` for `tenant` on route `kind` ("chat"|"completions").
 
     `vary`: (name, value) of the request headers that change the answer (the `Vary` idea:
     the gateway forwards headers, and an upstream may answer differently by them), names

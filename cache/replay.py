@@ -22,8 +22,8 @@ import orjson
 
 from cache.base import Entry
 
-CHUNK_OBJECT = {"chat": "chat.completion.chunk", "completion": "text_completion"}
-FULL_OBJECT = {"chat": "chat.completion", "completion": "text_completion"}
+CHUNK_OBJECT = {"chat": "chat.completion.chunk", "completions": "text_completion"}
+FULL_OBJECT = {"chat": "chat.completion", "completions": "text_completion"}
 _TOP_FIELDS = ("id", "created", "model", "system_fingerprint", "service_tier")
 _MESSAGE_SPECIAL = ("role", "content", "tool_calls", "function_call")
 

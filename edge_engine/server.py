@@ -189,7 +189,7 @@ def create_app(engine: Engine, model_name: str | None = None) -> _StatsFirst:
     app = Starlette(
         routes=[
             Route("/v1/chat/completions", _handler("chat"), methods=["POST"]),
-            Route("/v1/completions", _handler("completion"), methods=["POST"]),
+            Route("/v1/completions", _handler("completions"), methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
         ],

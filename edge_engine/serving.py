@@ -39,7 +39,7 @@ __all__ = ["OpenAIServing", "PreparedRequest"]
 
 @dataclass(slots=True)
 class PreparedRequest:
-    kind: str  # "chat" | "completion"
+    kind: str  # "chat" | "completions"
     prompt_token_ids: list[int]
     params: SamplingParams
     stream: bool = False
@@ -83,8 +83,8 @@ class OpenAIServing:
         here is what this engine supports (one choice, text content, no logit bias, echo or
         suffix) and what only it can check (the prompt and ``max_tokens`` against its
         context window, the tokens of a prompt given as ids)."""
-        if kind not in ("chat", "completion"):
-            raise ValueError(f"kind must be 'chat' or 'completion', not {kind!r}")
+        if kind not in ("chat", "completions"):
+            raise ValueError(f"kind must be 'chat' or 'completions', not {kind!r}")
         if not isinstance(body, dict):
             raise _bad("the request body must be a JSON object", "body", "invalid_type")
         if not checked:
@@ -106,7 +106,7 @@ class OpenAIServing:
         if kind == "chat" and body.get("max_completion_tokens") is not None:
             max_tokens_param = "max_completion_tokens"
             max_tokens = body["max_completion_tokens"]
-        elif kind == "completion" and max_tokens is None and "max_tokens" not in body:
+        elif kind == "completions" and max_tokens is None and "max_tokens" not in body:
             max_tokens = 16  # the completions API's documented default
 
         completion_logprobs: int | None = None

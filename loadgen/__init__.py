@@ -21,6 +21,11 @@ httptools client) → ``openai`` (request bytes, SSE/JSON readers) → ``workloa
 ``arrivals`` → ``result`` → ``stats`` → ``progress`` → ``runner`` → ``bench`` →
 ``gate``, ``report``, ``charts``/``plot`` → ``cli``.
 
+Beside those layers, two modules that the project's tests and benchmarks share and the
+CLI never imports: ``fake_upstream`` (a scripted fake OpenAI-compatible server: timing,
+failures, the quirks of real servers; needs hypercorn for HTTP/2) and ``floods`` (raw
+HTTP/2 and HTTP/3 clients that flood a listener).
+
 Use from Python::
 
     config = BenchConfig(base_url="http://127.0.0.1:8080/v1", model="auto", num_prompts=200, request_rate=20)

@@ -1,7 +1,7 @@
 """Routing configuration: pydantic models, the ``routing:`` section of the gateway YAML.
 
 Every field has a default, so an empty ``routing:`` section (or none) gives a working
-single-region gateway. ``gateway/settings.py`` builds a ``RoutingConfig`` from the YAML;
+single-region gateway. ``gateway/core/settings.py`` builds a ``RoutingConfig`` from the YAML;
 nothing here reads files or the environment. Cross-checks against the cluster list
 (region → cluster names) happen in ``routing.table.RoutingTable.build``.
 """

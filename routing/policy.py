@@ -60,7 +60,7 @@ __all__ = ["cascade_verdict", "decide", "locate_client"]
 
 _ENDPOINT = TargetKind.ENDPOINT
 _EDGE = TargetKind.EDGE
-EDGE_APIS = frozenset({"chat", "completion"})  # what the edge engine serves
+EDGE_APIS = frozenset({"chat", "completions"})  # what the edge engine serves
 
 
 def _distances(table: RoutingTable, request: RouteRequest, home: str) -> dict[str, float]:

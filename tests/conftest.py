@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import httpx
+import httpx._transports.default as httpx_transports
 import orjson
 import pytest
 import redis
@@ -19,10 +20,30 @@ import yaml
 from gateway.node.app import create_app
 from gateway.node.cli import uvicorn_config
 from gateway.core.settings import Settings
-from bench.fakes import honour_h2_flow_control
-from tests.fakes import FakeUpstream, free_port, make_certificate, started_by
+from loadgen.fake_upstream import honour_h2_flow_control
+from tests.fakes import FakeUpstream, StoppableServer, free_port, make_certificate, started_by
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def _one_default_ssl_context():
+    """Every httpx client (and every ``httpx.get``/``httpx.post``, the openai SDK's too) builds
+    an SSL context with certifi's bundle when it is made, even for ``http://``: tens to
+    hundreds of milliseconds on this machine each time, a large share of the suite's time.
+    The tests' clients share one default context instead (httpx only reads it; a client that
+    passes its own ``verify`` or ``cert`` still gets its own)."""
+    create = httpx_transports.create_ssl_context
+    shared = create()
+
+    def create_ssl_context(verify=True, cert=None, trust_env=True):
+        if verify is True and cert is None and trust_env:
+            return shared
+        return create(verify=verify, cert=cert, trust_env=trust_env)
+
+    httpx_transports.create_ssl_context = create_ssl_context
+
+
+_one_default_ssl_context()
 
 
 class GatewayThread:
@@ -35,7 +56,7 @@ class GatewayThread:
         self.url = f"http://127.0.0.1:{port}"
         self.app = create_app(settings)
         config = uvicorn_config(settings, self.app, log_level="error")  # as `edgegw serve` runs it
-        self.server = uvicorn.Server(config)
+        self.server = StoppableServer(config)
         self.thread = threading.Thread(target=self._run, daemon=True, name=f"gateway-{port}")
 
     def _run(self) -> None:
@@ -55,7 +76,7 @@ class GatewayThread:
         return self
 
     def stop(self) -> None:
-        self.server.should_exit = True
+        self.server.stop()
         self.thread.join(15)
 
 
@@ -105,12 +126,19 @@ class GatewayProcess:
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory) -> str:
-    """A tiny random Llama as a GGUF file (tests/edge_engine/tiny.py), for gateway tests
-    that need an edge engine but not the real model."""
+def tiny_paths(tmp_path_factory):
+    """A tiny random Llama (tests/edge_engine/tiny.py), built once a session: its GGUF file
+    and its Hugging Face directory."""
     from tests.edge_engine.tiny import build_tiny_model  # torch and transformers: only when asked for
 
-    return str(build_tiny_model(tmp_path_factory.mktemp("tiny"))[0])
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_paths) -> str:
+    """The tiny Llama's GGUF file, for gateway tests that need an edge engine but not the
+    real model."""
+    return str(tiny_paths[0])
 
 
 @pytest.fixture(scope="session")
@@ -126,7 +154,7 @@ def built_kernels() -> str:
 
 @pytest.fixture(scope="session")
 def hypercorn_flow_control():
-    """HTTP/2 fakes under hypercorn honour the client's flow-control window (bench/fakes.py
+    """HTTP/2 fakes under hypercorn honour the client's flow-control window (loadgen/fake_upstream.py
     says why hypercorn does not by itself)."""
     honour_h2_flow_control(True)
     yield

@@ -1,4 +1,4 @@
-"""The scripted fake upstream (``bench/fakes.py``) on a thread: HTTP/1.1 under uvicorn, or
+"""The scripted fake upstream (``loadgen/fake_upstream.py``) on a thread: HTTP/1.1 under uvicorn, or
 HTTP/2 cleartext with prior knowledge under hypercorn, each on its own event loop, on
 127.0.0.1 and an ephemeral port. HTTP/2 needs the ``hypercorn_flow_control`` fixture
 (tests/conftest.py), which the ``upstreams`` fixture uses.
@@ -7,50 +7,60 @@ HTTP/2 cleartext with prior knowledge under hypercorn, each on its own event loo
 from __future__ import annotations
 
 import asyncio
-import datetime
-import ipaddress
+import contextlib
 import socket
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import uvicorn
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from hypercorn.asyncio import serve
 from hypercorn.config import Config
 
-from bench.fakes import FakeApp, Seen
+from loadgen.certificates import make_certificate
+from loadgen.fake_upstream import FakeApp, Seen
 
-__all__ = ["FakeApp", "FakeUpstream", "Seen", "free_port", "make_certificate"]
+__all__ = ["FakeApp", "FakeUpstream", "Seen", "StoppableServer", "free_port", "make_certificate"]
 
 
-def make_certificate(folder: Path) -> tuple[str, str]:
-    """(certfile, keyfile): a self-signed certificate for 127.0.0.1, valid for a day."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(days=1))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    certfile, keyfile = folder / "cert.pem", folder / "key.pem"
-    certfile.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    keyfile.write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    )
-    return str(certfile), str(keyfile)
+class StoppableServer(uvicorn.Server):
+    """uvicorn's server run on a thread, which ``stop()`` (from any thread) wakes at once:
+    uvicorn itself looks at ``should_exit`` every 0.1 s, and pauses 0.1 s more for open
+    connections to hear of the shutdown, which every test paid for each server it started.
+    With connections open the shutdown is uvicorn's own."""
+
+    _wake: asyncio.Event | None = None
+    _loop: asyncio.AbstractEventLoop | None = None
+
+    async def main_loop(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        counter = 0
+        while not await self.on_tick(counter):
+            counter = (counter + 10) % 864000  # each turn is a second at most: the Date header's refresh
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(1.0):  # no task of its own (the leak checks count tasks)
+                    await self._wake.wait()
+
+    async def shutdown(self, sockets=None) -> None:
+        if self.server_state.connections or self.server_state.tasks:
+            return await super().shutdown(sockets)
+        # nobody connected: uvicorn's steps without its 0.1 s pause for connections to hear of it
+        for server in self.servers:
+            server.close()
+        for sock in sockets or []:
+            sock.close()
+        for server in self.servers:
+            await server.wait_closed()
+        if not self.force_exit:
+            await self.lifespan.shutdown()
+
+    def stop(self) -> None:
+        self.should_exit = True
+        loop, wake = self._loop, self._wake
+        if loop is not None and wake is not None:
+            with contextlib.suppress(RuntimeError):  # its loop has ended already
+                loop.call_soon_threadsafe(wake.set)
 
 
 def started_by(make):
@@ -126,7 +136,7 @@ class FakeUpstream:
                 timeout_graceful_shutdown=1,  # a hung scripted request must not outlive the test by long
                 **tls,
             )
-            self._server = uvicorn.Server(config)
+            self._server = StoppableServer(config)
             self._server.run()
         else:
             asyncio.run(self._serve_hypercorn())
@@ -158,7 +168,7 @@ class FakeUpstream:
 
     def stop(self) -> None:
         if self._server is not None:
-            self._server.should_exit = True  # graceful: every connection closed before the loop is
+            self._server.stop()  # graceful: every connection closed before the loop is
         elif self._loop is not None and self._stop is not None:
             self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(10)

@@ -1,7 +1,9 @@
 """core/: the values that cross rooms, and the pieces every room stands on.
 
-Owns: the configuration (``settings.py``: read once, validated, frozen, passed down, as
-aioquic's ``QuicConfiguration`` is), the error tree and its OpenAI-shaped bodies
+Owns: the configuration (``settings.py`` assembles ``Settings`` from ``settings_listen``,
+``settings_upstream``, ``settings_edge``, ``settings_tenants`` and ``settings_observe``;
+``config_file.py`` reads the YAML, ``cpus.py`` counts CPUs: read once, validated, frozen,
+passed down, as aioquic's ``QuicConfiguration`` is), the error tree and its OpenAI-shaped bodies
 (``errors.py``), the OpenAI request as parsed once (``openai.py``), the request's context
 and the typed records each stage writes into it (``context.py``), its ``Deadline``
 (``deadline.py``), its ``Tenant`` (``tenant.py``), its stage clock (``timing.py``), SSE and

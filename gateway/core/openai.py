@@ -23,10 +23,10 @@ from edge_engine.errors import InvalidRequestError
 from edge_engine.openai_fields import MAX_DEPTH, check_request, too_deep
 from gateway.core.errors import InvalidRequest
 
-__all__ = ["CHAT", "COMPLETION", "LARGE", "PASSTHROUGH", "ParsedRequest", "api_of_path", "kind_of", "parse_request"]
+__all__ = ["CHAT", "COMPLETIONS", "LARGE", "PASSTHROUGH", "ParsedRequest", "api_of_path", "kind_of", "parse_request"]
 
 CHAT = "chat"
-COMPLETION = "completion"
+COMPLETIONS = "completions"
 PASSTHROUGH = "passthrough"  # the kind an admission is given for the pass-through paths: the path says which API
 
 
@@ -83,7 +83,7 @@ def kind_of(data: Any) -> str:
     """The API a bare request body is for (a WebSocket message has no path): a completion
     when it has ``prompt`` and no ``messages``, else chat."""
     if isinstance(data, dict) and "prompt" in data and "messages" not in data:
-        return COMPLETION
+        return COMPLETIONS
     return CHAT
 
 

@@ -9,7 +9,7 @@ replies, the engine's process client, the cache layer, the dashboard, the writer
 - ``EventReader`` cuts an upstream's SSE bytes at event boundaries (so that a keep-alive
   comment or an error event is never spliced into the middle of an event), hands back each
   run of complete events exactly as received, and reports idleness so the caller can send a
-  ``: ping`` comment. The body underneath is a bounded buffer (``gateway.upstream.base.Body``):
+  ``: ping`` comment. The body underneath is a bounded buffer (``gateway.upstream.body.Body``):
   while the relay waits on the client, nothing more is read from the upstream.
 """
 
@@ -29,7 +29,7 @@ DONE = b"data: [DONE]\n\n"
 
 
 class _Body(Protocol):
-    """What ``EventReader`` reads: ``gateway.upstream.base.Body``."""
+    """What ``EventReader`` reads: ``gateway.upstream.body.Body``."""
 
     async def read(self, timeout: float) -> bytes | None: ...
 

@@ -11,7 +11,8 @@ backpressure (a slow client blocks the app's ``send``) and cancellation (a clien
 resets its stream is an ``http.disconnect``):
 
 - ``asgi.py``: one request stream as the app sees it (shared by HTTP/2 and HTTP/3);
-- ``h2.py``: HTTP/2 on h2; ``h3.py``: HTTP/3 on aioquic;
+- ``h2.py``: HTTP/2 on h2; ``h3.py``: an HTTP/3 connection on aioquic, ``h3_listener.py``
+  the UDP listener that routes datagrams to them (and its session tickets);
 - ``guard.py``: what one connection may cost (``FloodGuard``: resets, PINGs, SETTINGS,
   empty and control frames per interval) and the answers every listener gives of its own
   (header limits, 431, 503 ``too_many_connections``);
@@ -27,7 +28,7 @@ one port must not freeze the others.
 
 from gateway.ingress.asgi import RequestStream
 from gateway.ingress.h2 import H2ServerProtocol
-from gateway.ingress.h3 import H3Listener, TicketStore, serve_http3
+from gateway.ingress.h3_listener import H3Listener, TicketStore, serve_http3
 from gateway.ingress.http1 import H1Protocol
 from gateway.ingress.server import AltSvcApp, Server, tls_context
 from gateway.ingress.websocket import DrainingWebSocketProtocol

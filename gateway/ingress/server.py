@@ -25,7 +25,7 @@ import uvicorn
 from uvicorn.config import STARTUP_FAILURE
 
 from gateway.ingress.h2 import H2ServerProtocol
-from gateway.ingress.h3 import H3Listener, serve_http3
+from gateway.ingress.h3_listener import H3Listener, serve_http3
 from gateway.core.settings import LimitSettings, ListenSettings
 
 __all__ = ["AltSvcApp", "Server", "tls_context"]

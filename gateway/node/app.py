@@ -33,7 +33,7 @@ from starlette.routing import Route, WebSocketRoute
 
 from gateway.admission import AdminGuard, AdmissionApp, CORSMiddleware, Gate
 from gateway.core.errors import error_body
-from gateway.core.openai import CHAT, COMPLETION, PASSTHROUGH
+from gateway.core.openai import CHAT, COMPLETIONS, PASSTHROUGH
 from gateway.core.settings import PASSTHROUGH_PATHS, ConfigError, Settings
 from gateway.handlers import CompletionsApp, HealthzApp, JSONApp, MetricsApp, ModelsApp, ReadyzApp, ReloadApp, UsageApp, WebSocketApp
 from gateway.node import reload as reloading
@@ -226,7 +226,7 @@ def create_app(
     dashboard = DashboardApp(live_snapshot(gateway), stop=lambda: gate.draining)
     completions = {
         "/v1/chat/completions": AdmissionApp(CompletionsApp(pipeline, gateway.metrics), gate, "chat", CHAT),
-        "/v1/completions": AdmissionApp(CompletionsApp(pipeline, gateway.metrics), gate, "completions", COMPLETION),
+        "/v1/completions": AdmissionApp(CompletionsApp(pipeline, gateway.metrics), gate, "completions", COMPLETIONS),
     }
     routes = [
         *(Route(path, app, methods=["POST"]) for path, app in completions.items()),

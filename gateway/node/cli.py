@@ -184,7 +184,11 @@ def _explain(args: argparse.Namespace) -> int:
             return 2
         headers[name.strip().lower()] = value.strip()
     try:
-        raw_body = sys.stdin.buffer.read() if args.body == "-" else open(args.body, "rb").read()
+        if args.body == "-":
+            raw_body = sys.stdin.buffer.read()
+        else:
+            with open(args.body, "rb") as file:
+                raw_body = file.read()
     except OSError as exc:
         print(f"error: --body {args.body}: cannot read: {exc.strerror or exc}", file=sys.stderr)
         return 2

@@ -21,7 +21,7 @@ from cache.replay import usage_of
 from gateway.core.context import RequestContext
 from gateway.core.deadline import Deadline
 from gateway.core.errors import UpstreamTimeout
-from gateway.core.openai import COMPLETION, ParsedRequest
+from gateway.core.openai import COMPLETIONS, ParsedRequest
 from gateway.pipeline.caching import BYPASS, HIT, MISS, CacheLayer, Lookup, Recorder
 from gateway.pipeline.dispatch import Dispatcher
 from gateway.replies import Answer, FollowerReply, Reply, ReplayReply
@@ -86,7 +86,7 @@ class Pipeline:
             sent = sent.with_fields(**fields)
         cascade = decision.cascade_threshold is not None and decision.target.kind is TargetKind.EDGE and not parsed.stream
         if cascade:
-            sent = sent.with_fields(logprobs=0 if parsed.kind == COMPLETION else True)
+            sent = sent.with_fields(logprobs=0 if parsed.kind == COMPLETIONS else True)
         opened = await self.dispatcher.open(decision, sent, ctx)
         reply = answer.reply = opened.reply
         answer.target_kind = opened.target.kind.value

@@ -21,10 +21,12 @@ from urllib.parse import urlsplit
 import httpx
 
 from gateway.core.settings import EndpointSettings, endpoint_authorization
-from gateway.upstream.base import Body, Origin, Pool, Timeouts, UpstreamResponse
+from gateway.upstream.base import Origin, Pool, Timeouts, UpstreamResponse
+from gateway.upstream.body import Body
 from gateway.upstream.http1 import H1Pool
 from gateway.upstream.http2 import H2Pool
-from gateway.upstream.http3 import FallbackPool, H3Pool
+from gateway.upstream.fallback import FallbackPool
+from gateway.upstream.http3 import H3Pool
 from gateway.upstream.transport import PoolTransport
 
 __all__ = [
@@ -33,7 +35,7 @@ __all__ = [
 ]
 
 _JSON = (b"content-type", b"application/json")
-_API_PATHS = {"chat": b"/chat/completions", "completion": b"/completions"}
+_API_PATHS = {"chat": b"/chat/completions", "completions": b"/completions"}
 
 
 class Upstream:
@@ -101,7 +103,7 @@ class Upstream:
     async def request(
         self, kind: str, headers: list[tuple[bytes, bytes]], body: bytes, head_within: float | None = None
     ) -> UpstreamResponse:
-        """POST ``body`` to the API of ``kind`` ("chat" or "completion") with ``headers``; the
+        """POST ``body`` to the API of ``kind`` ("chat" or "completions") with ``headers``; the
         response headers must come within ``head_within`` seconds (default: the read timeout).
         A probe or discovery out at this endpoint (``aside``) is let finish first."""
         aside = self._aside

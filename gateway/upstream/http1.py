@@ -27,8 +27,9 @@ from gateway.core.errors import (
     UpstreamProtocolError,
 )
 from gateway.upstream.base import (
-    Body, Origin, Timeouts, UpstreamResponse, connect, head_timeout, rewarm_soon, stop_pool, wait_closed,
+    Origin, Timeouts, UpstreamResponse, connect, head_timeout, rewarm_soon, stop_pool, wait_closed,
 )
+from gateway.upstream.body import Body
 
 __all__ = ["H1Pool"]
 

@@ -27,8 +27,9 @@ from gateway.core.errors import (
     UpstreamReadTimeout,
 )
 from gateway.upstream.base import (
-    Body, MultiplexedPool, Origin, Refused, Timeouts, connect, head_timeout, rewarm_soon, split_status, wait_closed,
+    MultiplexedPool, Origin, Refused, Timeouts, connect, head_timeout, rewarm_soon, split_status, wait_closed,
 )
+from gateway.upstream.body import Body
 
 __all__ = ["H2Pool"]
 

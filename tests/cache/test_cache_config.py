@@ -33,8 +33,11 @@ def test_every_field_has_a_default_and_a_comment() -> None:
 
 
 def test_route_ttls() -> None:
-    config = CacheConfig(default_ttl=60, route_ttl={"completion": 10, "chat": 0})
-    assert config.ttl_for("completion") == 10 and config.ttl_for("chat") == 0
+    config = CacheConfig(default_ttl=60, route_ttl={"completions": 10, "chat": 0})
+    assert config.ttl_for("completions") == 10 and config.ttl_for("chat") == 0
+    with pytest.warns(FutureWarning, match="route_ttl.completion is deprecated"):
+        old = CacheConfig(default_ttl=60, route_ttl={"completion": 10})  # the key's first name
+    assert old.route_ttl == {"completions": 10} and old.ttl_for("completions") == 10
     with pytest.raises(pydantic.ValidationError):
         CacheConfig(route_ttl={"images": 10})
     with pytest.raises(pydantic.ValidationError):

@@ -84,7 +84,7 @@ def test_tenants_never_share_an_entry() -> None:
 
 def test_route_kind_is_part_of_the_key() -> None:
     body = {"model": "m1", "prompt": "hi", "temperature": 0}
-    assert make_key("t", "chat", body) != make_key("t", "completion", body)
+    assert make_key("t", "chat", body) != make_key("t", "completions", body)
     with pytest.raises(ValueError):
         make_key("t", "images", body)
 

@@ -32,7 +32,7 @@ def test_chunks_to_json_merges_tool_call_deltas(tool_chunks: list[bytes]) -> Non
 
 
 def test_chunks_to_json_completion_with_logprobs(completion_chunks: list[bytes]) -> None:
-    doc = chunks_to_json("completion", completion_chunks)
+    doc = chunks_to_json("completions", completion_chunks)
     assert doc["object"] == "text_completion"
     assert doc["id"] == "cmpl-1" and doc["model"] == "m2"
     (choice,) = doc["choices"]
@@ -78,7 +78,7 @@ def test_json_to_chunks_chat_shape(chat_body: bytes) -> None:
 @pytest.mark.parametrize("fixture", ["chat_chunks", "tool_chunks", "completion_chunks"])
 def test_round_trips(fixture: str, request: pytest.FixtureRequest) -> None:
     chunks = request.getfixturevalue(fixture)
-    kind = "completion" if fixture.startswith("completion") else "chat"
+    kind = "completions" if fixture.startswith("completion") else "chat"
     doc = chunks_to_json(kind, chunks)
     # JSON -> chunks -> JSON is the identity, with or without a usage chunk
     assert chunks_to_json(kind, json_to_chunks(kind, orjson.dumps(doc), True)) == doc
@@ -140,7 +140,7 @@ def test_completion_json_to_chunks() -> None:
     body = {"id": "cmpl-9", "object": "text_completion", "created": 5, "model": "m",
             "choices": [{"index": 0, "text": "abc", "logprobs": None, "finish_reason": "stop"}],
             "usage": USAGE}
-    chunks = [orjson.loads(c) for c in json_to_chunks("completion", orjson.dumps(body), True)]
+    chunks = [orjson.loads(c) for c in json_to_chunks("completions", orjson.dumps(body), True)]
     assert [c["object"] for c in chunks] == ["text_completion"] * 3
     assert chunks[0]["choices"][0]["text"] == "abc"
     assert chunks[1]["choices"][0]["finish_reason"] == "stop"
@@ -150,7 +150,7 @@ def test_completion_json_to_chunks() -> None:
 def test_entry_serialisation_round_trip(chat_body: bytes, chat_chunks: list[bytes]) -> None:
     for entry in (Entry(kind="chat", body=chat_body, created_at=123.5),
                   Entry(kind="chat", chunks=chat_chunks, created_at=99.0),
-                  Entry(kind="completion", chunks=[], created_at=1.0)):
+                  Entry(kind="completions", chunks=[], created_at=1.0)):
         assert Entry.from_bytes(entry.to_bytes()) == entry
     with pytest.raises(ValueError):
         Entry.from_bytes(b"garbage")

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import orjson
 import pytest
@@ -70,25 +69,24 @@ async def test_in_process_one_leader_followers_get_every_chunk(flights: SingleFl
 async def test_slow_follower_does_not_hold_back_the_leader(flights: SingleFlight) -> None:
     leader = await flights.join("k")
     slow = await flights.join("k")
-    late = None
-    leader_done = follower_done = 0.0
+    go_on = asyncio.Event()
+    got: list[bytes] = []
 
-    async def run_leader() -> None:
-        nonlocal leader_done, late
-        await lead(leader, CHUNKS[:10], delay=0)
-        leader_done = time.perf_counter()
-        late = await flights.join("k")  # after finish: a new flight
+    async def run_slow() -> None:
+        async with slow:
+            async for chunk in slow.follow():
+                got.append(chunk)
+                await go_on.wait()  # reads nothing more until the leader is done
 
-    async def run_slow() -> list[bytes]:
-        nonlocal follower_done
-        got = await collect(slow, delay=0.02)
-        follower_done = time.perf_counter()
-        return got
-
-    _, got = await asyncio.gather(run_leader(), run_slow())
+    follower = asyncio.create_task(run_slow())
+    # the leader finishes while its follower is stuck on its first chunk
+    await asyncio.wait_for(lead(leader, CHUNKS[:10], delay=0), 10.0)
+    assert len(got) <= 1
+    late = await flights.join("k")  # after finish: a new flight
+    assert late.is_leader
+    go_on.set()
+    await asyncio.wait_for(follower, 10.0)
     assert got == CHUNKS[:10]
-    assert leader_done < follower_done - 0.1
-    assert late is not None and late.is_leader
     await late.release()
 
 
@@ -100,7 +98,7 @@ async def test_follower_joining_late_reads_from_the_start(flights: SingleFlight)
     task = asyncio.create_task(collect(follower))
     await leader.publish(CHUNKS[2])
     await leader.finish(Entry(kind="chat", chunks=CHUNKS[:3]))
-    assert await asyncio.wait_for(task, 1.0) == CHUNKS[:3]
+    assert await asyncio.wait_for(task, 10.0) == CHUNKS[:3]
     assert (await follower.wait()).chunks == CHUNKS[:3]
 
 
@@ -113,7 +111,7 @@ async def test_leader_abort_signals_followers(flights: SingleFlight) -> None:
     await leader.abort("upstream 500")
     for task in tasks:
         with pytest.raises(FlightAborted, match="upstream 500"):
-            await asyncio.wait_for(task, 1.0)
+            await asyncio.wait_for(task, 10.0)
     with pytest.raises(FlightAborted):
         await followers[0].wait()
     assert leader.status == "aborted"
@@ -132,7 +130,7 @@ async def test_leader_leaving_without_finish_aborts(flights: SingleFlight) -> No
             await leader.publish(CHUNKS[0])
             raise RuntimeError("broken upstream stream")
     with pytest.raises(FlightAborted, match="RuntimeError"):
-        await asyncio.wait_for(follower_task, 1.0)
+        await asyncio.wait_for(follower_task, 10.0)
 
 
 async def test_cancelled_leader_aborts_rather_than_hanging(flights: SingleFlight) -> None:
@@ -152,7 +150,7 @@ async def test_cancelled_leader_aborts_rather_than_hanging(flights: SingleFlight
     await asyncio.sleep(0.01)
     leader_task.cancel()
     with pytest.raises(FlightAborted, match="cancelled"):
-        await asyncio.wait_for(follow_task, 1.0)
+        await asyncio.wait_for(follow_task, 10.0)
 
 
 async def test_json_leader_is_followed_as_chunks(flights: SingleFlight, chat_body: bytes) -> None:
@@ -260,10 +258,8 @@ async def test_dead_leader_is_detected(
     raw_redis.set(b.lock_key("k"), "dead-replica-token", px=300)
     follower = await b.join("k")
     assert not follower.is_leader
-    started = time.perf_counter()
     with pytest.raises(FlightAborted, match="leader lost"):
-        await asyncio.wait_for(follower.wait(), 3.0)
-    assert time.perf_counter() - started < 2.0
+        await asyncio.wait_for(follower.wait(), 10.0)  # not a wait for ever
 
 
 async def test_long_leader_keeps_its_lock_alive(
@@ -305,10 +301,8 @@ async def test_unreachable_redis_falls_back_to_in_process() -> None:
     metrics = CacheMetrics()
     sf = SingleFlight("redis://127.0.0.1:1/0", timeout=0.2, metrics=metrics)
     try:
-        started = time.perf_counter()
-        leader = await sf.join("k")
-        follower = await sf.join("k")
-        assert time.perf_counter() - started < 0.5
+        leader = await asyncio.wait_for(sf.join("k"), 10.0)  # bounded by the timeout, not a hang
+        follower = await asyncio.wait_for(sf.join("k"), 10.0)
         assert leader.is_leader and not follower.is_leader
         assert metrics.counts["errors:singleflight:lock"] == 1
         task = asyncio.create_task(collect(follower))
@@ -323,8 +317,8 @@ async def test_a_leader_that_cannot_write_to_redis_releases_remote_followers_at_
 ) -> None:
     """After a Redis restart the leader's writer may meet a stale connection: remote
     followers must not wait for its lock to expire (lock_ttl), they go upstream at once."""
-    a = SingleFlight(redis_url, namespace=namespace, lock_ttl=10.0, timeout=0.5)
-    b = SingleFlight(redis_url, namespace=namespace, lock_ttl=10.0, timeout=0.5)
+    a = SingleFlight(redis_url, namespace=namespace, lock_ttl=120.0, timeout=0.5)
+    b = SingleFlight(redis_url, namespace=namespace, lock_ttl=120.0, timeout=0.5)
     try:
         await _leader_loses_redis(a, b, monkeypatch)
     finally:
@@ -352,9 +346,7 @@ async def _leader_loses_redis(a: SingleFlight, b: SingleFlight, monkeypatch: pyt
 
     monkeypatch.setattr(a._redis, "pipeline", pipeline)
     task = asyncio.create_task(collect(follower))
-    started = time.perf_counter()
     await leader.publish(CHUNKS[0])
     with pytest.raises(FlightAborted):
-        await asyncio.wait_for(task, 5.0)
-    assert time.perf_counter() - started < 2.0  # not the lock's 10 s
+        await asyncio.wait_for(task, 20.0)  # not the lock's 120 s
     await leader.release(None)

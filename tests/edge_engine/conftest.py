@@ -13,11 +13,6 @@ from tests.edge_engine.tiny import build_tiny_model
 
 
 @pytest.fixture(scope="session")
-def tiny_paths(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
-
-
-@pytest.fixture(scope="session")
 def tiny_gguf(tiny_paths):
     return str(tiny_paths[0])
 

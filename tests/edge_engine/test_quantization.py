@@ -18,7 +18,7 @@ from edge_engine import EngineConfig, SamplingParams, kernels
 from edge_engine.model import Int4Linear, Int8Linear, RescoredOutput
 from edge_engine.runner import resolve_dtype
 from tests.edge_engine.conftest import make_engine
-from tests.edge_engine.quality import PROMPTS, HELDOUT_TEXT, agreement, greedy_outputs, perplexity
+from edge_engine.quality import PROMPTS, HELDOUT_TEXT, agreement, greedy_outputs, perplexity
 from tests.edge_engine.test_model_parity import LOGIT_ATOL, TEXTS, _engine_logits, engine_greedy, reference_greedy
 
 

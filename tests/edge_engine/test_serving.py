@@ -36,10 +36,10 @@ def serving(tiny_engine):
         pytest.param("chat", {**CHAT, "n": 2}, "n", id="n"),
         pytest.param("chat", {**CHAT, "stream": "yes"}, "stream", id="stream-type"),
         pytest.param("chat", {**CHAT, "seed": "1"}, "seed", id="seed-type"),
-        pytest.param("completion", {"prompt": "Hello " * 400}, "prompt", id="prompt-beyond-context"),
-        pytest.param("completion", {"prompt": {"x": 1}}, "prompt", id="prompt-type"),
-        pytest.param("completion", {"prompt": [1, 2, 10**6]}, "prompt", id="token-out-of-vocab"),
-        pytest.param("completion", {"prompt": "Hi", "logprobs": 9}, "logprobs", id="completion-logprobs"),
+        pytest.param("completions", {"prompt": "Hello " * 400}, "prompt", id="prompt-beyond-context"),
+        pytest.param("completions", {"prompt": {"x": 1}}, "prompt", id="prompt-type"),
+        pytest.param("completions", {"prompt": [1, 2, 10**6]}, "prompt", id="token-out-of-vocab"),
+        pytest.param("completions", {"prompt": "Hi", "logprobs": 9}, "logprobs", id="completion-logprobs"),
     ],
 )
 def test_bad_requests_are_400_naming_the_parameter(serving, kind, body, param):
@@ -76,7 +76,7 @@ async def test_complete_equals_the_joined_stream(serving):
 
 
 async def test_completion_with_logprobs(serving):
-    prepared = serving.prepare("completion", {"prompt": "Hello", "max_tokens": 4, "temperature": 0, "logprobs": 2, "ignore_eos": True})
+    prepared = serving.prepare("completions", {"prompt": "Hello", "max_tokens": 4, "temperature": 0, "logprobs": 2, "ignore_eos": True})
     body = orjson.loads(await serving.complete(prepared, "cmpl-1"))
     choice = body["choices"][0]
     assert body["object"] == "text_completion" and choice["finish_reason"] == "length"
@@ -90,7 +90,7 @@ async def test_completion_with_logprobs(serving):
 
 
 async def test_closing_the_stream_frees_the_sequence(serving, tiny_engine):
-    prepared = serving.prepare("completion", {"prompt": "Hello", "max_tokens": 200, "ignore_eos": True, "stream": True})
+    prepared = serving.prepare("completions", {"prompt": "Hello", "max_tokens": 200, "ignore_eos": True, "stream": True})
     stream = serving.stream(prepared, "cmpl-2")
     await stream.__anext__()
     await stream.__anext__()
@@ -162,8 +162,8 @@ HUGE = "x" * 3_900_000
 @pytest.mark.parametrize(
     ("kind", "body", "param"),
     [
-        pytest.param("completion", {"prompt": HUGE}, "prompt", id="completion"),
-        pytest.param("completion", {"prompt": [HUGE]}, "prompt", id="completion-batch-of-one"),
+        pytest.param("completions", {"prompt": HUGE}, "prompt", id="completion"),
+        pytest.param("completions", {"prompt": [HUGE]}, "prompt", id="completion-batch-of-one"),
         pytest.param("chat", {"messages": [{"role": "user", "content": HUGE}]}, "messages", id="chat"),
         pytest.param(
             "chat",
@@ -194,7 +194,7 @@ def test_the_early_refusal_bound_is_sound_and_not_over_eager(serving, tiny_engin
     limit = min(tiny_engine.max_model_len, tiny_engine.num_kv_tokens)
     text = "x" * ((limit - 1) * longest)
     with pytest.raises(InvalidRequestError) as info:
-        serving.prepare("completion", {"prompt": text})
+        serving.prepare("completions", {"prompt": text})
     assert info.value.code == "context_length_exceeded" and tokenizer_calls == ["encode"]
 
 

@@ -1,12 +1,16 @@
 """``edgegw explain``: routing's decision for a request, printed without sending anything.
 
-Run as a subprocess (``python -m gateway explain``), the way an operator meets it,
-against the shipped multi-region example and against copies of it pointed at a small
-.mmdb fixture (TEST-NET addresses placed in known cities).
+Run as the CLI runs it (``gateway.node.cli.main``, its stdout, stderr and exit status) in
+this process, and once as a subprocess (``python -m gateway explain``), the way an operator
+meets it; against the shipped multi-region example and against copies of it pointed at a
+small .mmdb fixture (TEST-NET addresses placed in known cities). A subprocess per case
+would spend a second or more starting Python for a decision that takes microseconds.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -15,6 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from gateway.node.cli import main
 from tests.conftest import ROOT
 
 EXAMPLE = ROOT / "configs" / "multi-region.example.yaml"
@@ -38,15 +43,30 @@ def config(geo_db, tmp_path_factory) -> Path:
     return path
 
 
-def explain(config: Path, ip: str, body: dict | str, *headers: str, json_out: bool = True, tmp: Path) -> subprocess.CompletedProcess:
+def run_cli(args: list[str], *, subprocess_: bool = False) -> subprocess.CompletedProcess:
+    """``edgegw ARGS``: in this process (``main``), or as ``python -m gateway ARGS``."""
+    if subprocess_:
+        return subprocess.run([sys.executable, "-m", "gateway", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(args)
+        except SystemExit as exc:  # argparse's own refusals
+            code = exc.code
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
+def explain(
+    config: Path, ip: str, body: dict | str, *headers: str, json_out: bool = True, tmp: Path, subprocess_: bool = False
+) -> subprocess.CompletedProcess:
     body_path = tmp / "body.json"
     body_path.write_text(body if isinstance(body, str) else json.dumps(body))
-    args = [sys.executable, "-m", "gateway", "explain", "--config", str(config), "--ip", ip, "--body", str(body_path)]
+    args = ["explain", "--config", str(config), "--ip", ip, "--body", str(body_path)]
     for h in headers:
         args += ["--header", h]
     if json_out:
         args.append("--json")
-    return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    return run_cli(args, subprocess_=subprocess_)
 
 
 def decision(config: Path, ip: str, body: dict, *headers: str, tmp: Path) -> dict:
@@ -156,7 +176,7 @@ def test_without_an_edge_engine_auto_goes_to_a_cluster(tmp_path, geo_db):
 
 
 def test_human_readable_output_names_every_part(config, tmp_path):
-    result = explain(config, PROXY, chat(), f"X-Forwarded-For: {FRANKFURT_IP}", json_out=False, tmp=tmp_path)
+    result = explain(config, PROXY, chat(), f"X-Forwarded-For: {FRANKFURT_IP}", json_out=False, tmp=tmp_path, subprocess_=True)
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert f"client ip:  {FRANKFURT_IP}" in out
@@ -196,8 +216,7 @@ def test_errors_are_reported_on_stderr_with_a_non_zero_exit(config, tmp_path, ca
         cfg = tmp_path / "geo.yaml"
         cfg.write_text(yaml.safe_dump({"routing": {"geoip_db": str(tmp_path / "nowhere.mmdb")}}))
     if case == "missing-body":
-        args = [sys.executable, "-m", "gateway", "explain", "--config", str(cfg), "--ip", PROXY, "--body", str(tmp_path / "none.json")]
-        result = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=60)
+        result = run_cli(["explain", "--config", str(cfg), "--ip", PROXY, "--body", str(tmp_path / "none.json")])
     else:
         result = explain(cfg, PROXY, body, *headers, tmp=tmp_path)
     assert result.returncode != 0

@@ -195,17 +195,14 @@ def test_a_failing_endpoint_is_failed_over_ejected_and_readmitted(upstreams, gat
 
 
 def test_a_late_first_token_is_hedged_and_the_slow_primary_cancelled(upstreams, gateways, geo_db):
-    slow, hedge = upstreams(ttft=5.0), upstreams()
+    slow, hedge = upstreams(ttft=60.0), upstreams()  # the primary's first token is a minute away: only the hedge can answer
     config = two_regions(geo_db, [slow.url], [hedge.url], hedging={"enabled": True, "budget_fraction": 0.5, "min_delay_ms": 0})
     gw = gateways(config)
-    started = time.monotonic()
     r = post(gw, US_CLIENT, stream=True, headers={"x-latency-budget-ms": "300"})
-    elapsed = time.monotonic() - started
     assert r.status_code == 200 and "data: [DONE]" in r.text
     route = r.headers["x-edgegw-route"]
     assert f"target=endpoint; cluster=west; endpoint={slow.url}" in route
     assert "budget=300ms" in route and f"hedge=east@{hedge.url}@150ms" in route
-    assert elapsed < 3.0, "the answer came from the hedge, not after the slow primary's 5 s"
     assert "edgegw_hedge_wins_total 1.0" in httpx.get(gw.url + "/metrics").text
     assert len(slow.requests) == 1 and len(hedge.requests) == 1
     assert slow.requests[0].disconnected.wait(3), "the slow primary's request was cancelled"
@@ -293,15 +290,16 @@ def test_a_hedged_stream_sends_headers_at_once_and_pings_while_waiting(upstreams
 
 
 def test_the_hedge_winners_ttft_is_measured_from_when_it_was_sent(upstreams, gateways, geo_db):
-    slow, hedge = upstreams(ttft=3.0), upstreams(ttft=0.05)
+    slow, hedge = upstreams(ttft=60.0), upstreams(ttft=0.05)
     gw = gateways(hedged(geo_db, slow, hedge))
-    r = post(gw, US_CLIENT, stream=True, headers={"x-latency-budget-ms": "600"})  # hedge after 300 ms
+    r = post(gw, US_CLIENT, stream=True, headers={"x-latency-budget-ms": "3000"})  # hedge after 1.5 s
     assert r.status_code == 200 and len(hedge.requests) == 1
     health = gw.state.fleet.health
-    # from the hedge's own send: ~0.05 s, not the ~0.35 s since the request arrived
-    assert health.endpoint(hedge.url).ttft_s < 0.25
+    # from the hedge's own send (~0.05 s, whatever the machine's load adds), not the 1.5 s and
+    # more since the request arrived
+    assert health.endpoint(hedge.url).ttft_s < 1.5
     # the beaten primary is recorded as slow (a lower bound of its TTFT), not left unmeasured
-    assert health.endpoint(slow.url).ttft_s >= 0.3
+    assert health.endpoint(slow.url).ttft_s >= 1.5
 
 
 def test_a_json_answer_is_not_fed_into_the_ttft_average(upstreams, gateways, geo_db):
@@ -382,12 +380,13 @@ def test_a_request_no_target_can_start_in_time_is_answered_at_once(upstreams, ga
         "POST", gw.url + "/v1/chat/completions", json=chat_body(stream=True, fake={"ttft": 3.0})
     ):
         wait_for(lambda: len(fake.requests) == 2, 3, "the slot to be taken")
-        started = time.monotonic()
         shed = client.post(gw.url + "/v1/chat/completions", json=chat_body(), headers={"x-latency-budget-ms": "200"})
-        answered_in = time.monotonic() - started
         assert shed.status_code == 503 and shed.json()["error"]["code"] == "capacity_exceeded"
         assert int(shed.headers["retry-after"]) >= 1
-        assert answered_in < 0.2  # at once, not after waiting out its budget
+        # at once, by the prediction, not queued until its budget ran out (that is reason=deadline)
+        metrics = httpx.get(gw.url + "/metrics").text
+        assert 'edgegw_shed_total{priority="standard",reason="capacity"} 1.0' in metrics
+        assert 'reason="deadline"' not in metrics
         assert httpx.get(gw.url + "/readyz").status_code == 503  # a load balancer should steer away
         # a request with a budget that allows the wait is queued and served
         patient = client.post(gw.url + "/v1/chat/completions", json=chat_body(), headers={"x-latency-budget-ms": "10000"})

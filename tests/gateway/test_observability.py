@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from tests.conftest import cluster
+from tests.waiting import wait_until
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -27,7 +28,7 @@ def stages_of(header: str) -> dict[str, float]:
 
 
 def test_the_stages_of_a_request_sum_to_its_total_and_to_the_clients_clock(upstreams, gateways):
-    fake = upstreams(ttft=0.25, tokens=4, delay=0.02)
+    fake = upstreams(ttft=1.0, tokens=4, delay=0.02)
     gw = gateways({"clusters": [cluster(fake)]})
     httpx.post(gw.url + "/v1/chat/completions", json=CHAT)  # warm
     with httpx.Client() as client:
@@ -38,7 +39,9 @@ def test_the_stages_of_a_request_sum_to_its_total_and_to_the_clients_clock(upstr
     total = stages.pop("total")
     assert {"admit", "route", "queue", "pool", "upstream", "decode"} <= set(stages)
     assert abs(sum(stages.values()) - total) <= 0.05 * total, (stages, total)
-    assert total <= client_ms and client_ms - total <= 0.05 * client_ms, (total, client_ms)
+    # the gateway's clock runs inside the client's: what it misses is the wire and the client's
+    # own work (a share the machine's load can grow: the bound is generous)
+    assert total <= client_ms and client_ms - total <= 0.25 * client_ms, (total, client_ms)
     metrics = httpx.get(gw.url + "/metrics").text
     assert 'edgegw_stage_seconds_count{stage="upstream",target_kind="endpoint"} 2.0' in metrics
     assert 'edgegw_stage_seconds_count{stage="total",target_kind="endpoint"} 2.0' in metrics
@@ -232,7 +235,8 @@ def test_a_network_bound_target(upstreams, gateways):
             "routing": {"health": {"probe_path": "/health", "probe_interval_s": 0.2}},
         }
         gw = gateways(config)
-        time.sleep(0.6)  # a few probes: their round trip is measured
+        health = gw.state.fleet.health
+        wait_until(lambda: health.endpoint(url).rtt_s is not None, what="a probe's round trip measured")
         send(gw, 10, concurrency=10, stream=True)  # new connections: each pays the wire
         view = diagnosis_of(gw, url)
         assert view["diagnosis"]["verdict"] == "network_bound", view["diagnosis"]

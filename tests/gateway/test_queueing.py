@@ -11,6 +11,7 @@ import time
 import pytest
 
 from gateway.core.errors import Overloaded
+from gateway.pipeline import queue as queue_module
 from gateway.pipeline.queue import QueueDeadline, TargetQueue
 from gateway.core.settings import TenantPolicy
 from gateway.core.tenant import Tenant
@@ -54,34 +55,44 @@ async def test_weights_set_the_shares():
     assert 27 <= share["heavy"] <= 33, share  # 3:1 of the first 40
 
 
-async def test_priority_first_and_a_batch_request_is_served_within_its_ageing_bound():
-    queue = TargetQueue("t", 1, ageing_s=0.1)
+class FakeClock:
+    """The queue's clock (its ``time.monotonic``), moved by the test."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+async def test_priority_first_and_a_batch_request_is_served_within_its_ageing_bound(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(queue_module, "time", clock)
+    queue = TargetQueue("t", 1, ageing_s=10.0)
     interactive, batch = tenant("i", "interactive"), tenant("b", "batch")
-    served: list[tuple[str, float]] = []
-    loop = asyncio.get_running_loop()
-    started = loop.time()
-    holder = await queue.acquire(interactive, None)
-    waiting_batch = asyncio.ensure_future(queue.acquire(batch, None))
-
-    async def interactive_load() -> None:  # constant interactive load: always one waiting
-        for _ in range(60):
-            slot = await queue.acquire(interactive, None)
-            served.append(("i", loop.time() - started))
-            await asyncio.sleep(0.01)
-            slot.release()
-
-    load = [asyncio.ensure_future(interactive_load()) for _ in range(2)]
+    slot = await queue.acquire(interactive, None)
+    waiting_batch = asyncio.ensure_future(queue.acquire(batch, None))  # enqueued at 0 s
     await asyncio.sleep(0)
-    holder.release()
-    slot = await waiting_batch
-    waited = loop.time() - started
-    slot.release()
-    await asyncio.gather(*load)
-    assert served[0][0] == "i"  # interactive goes first while the batch request is young
-    # a batch request is two classes behind: it is served once it has waited twice the ageing
-    # step, however much interactive work keeps coming
-    assert 0.2 <= waited < 0.5, waited
-    assert any(t > waited for _, t in served), "the interactive load went on after it"
+    served = []  # who got the slot at each second: constant interactive load, always one waiting
+    for second in range(1, 40):
+        waiting_interactive = asyncio.ensure_future(queue.acquire(interactive, None))
+        await asyncio.sleep(0)
+        clock.now = float(second)
+        slot.release()
+        await asyncio.sleep(0)
+        if waiting_batch.done():
+            served.append(("b", second))
+            break
+        served.append(("i", second))
+        slot = await waiting_interactive
+    else:
+        raise AssertionError("the batch request was never served")
+    (await waiting_batch).release()
+    await waiting_interactive
+    # a batch request is two classes behind: interactive goes first while it is young, and it
+    # is served once it has waited twice the ageing step, however much interactive work comes
+    assert served[-1] == ("b", 20), served
+    assert all(who == "i" for who, _ in served[:-1])
 
 
 async def test_a_request_whose_deadline_passes_while_waiting_is_dropped():
@@ -105,7 +116,7 @@ async def test_a_request_that_gives_up_hands_its_slot_on():
     await asyncio.sleep(0)
     quitter.cancel()
     holder.release()
-    slot = await asyncio.wait_for(stayer, 1)
+    slot = await asyncio.wait_for(stayer, 10)
     assert queue.active == 1 and queue.waiting == 0
     slot.release()
     assert queue.active == 0

@@ -15,8 +15,9 @@ import pytest
 from gateway.core.errors import UpstreamProtocolError, UpstreamReadTimeout
 from gateway.core.sse import DONE, EventReader, sse_event, sse_events, sse_payloads
 from gateway.relay import Meter, Splice
-from gateway.upstream.base import Body
+from gateway.upstream.body import Body
 from tests.conftest import cluster
+from tests.waiting import wait_until
 
 PROTOCOLS = [pytest.param("http1", id="http1"), pytest.param("http2", id="http2")]
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}]}
@@ -115,7 +116,8 @@ def test_failover_before_first_byte(upstreams, gateways, protocol):
     broken = upstreams(protocol, status=503)  # it says it cannot serve (a 500 is its verdict on one request)
     healthy = upstreams(protocol, health_delay=0.2)
     gw = gateways({"clusters": [cluster(broken, healthy)], "routing": {"balancer": {"affinity": False}, "health": {"probe_path": "/health"}}})
-    time.sleep(0.3)
+    health = gw.state.fleet.health
+    wait_until(lambda: all(health.endpoint(f.url).rtt_s is not None for f in (broken, healthy)), what="both probes answered")
     response = httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "stream": True})
     assert response.status_code == 200
     assert response.content.endswith(b"data: [DONE]\n\n")

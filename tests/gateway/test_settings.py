@@ -10,7 +10,7 @@ import pydantic
 import pytest
 
 from edge_engine.config import EngineConfig
-from gateway.core import settings as module
+from gateway.core import cpus as module
 from gateway.core.settings import ConfigError, EdgeSettings, Settings, load_settings
 from tests.conftest import ROOT
 

@@ -11,6 +11,7 @@ import pytest
 from gateway.core.errors import PoolTimeout, UpstreamConnectError, UpstreamProtocolError
 from gateway.upstream.base import Origin, Timeouts
 from gateway.upstream.http1 import H1Pool
+from tests.waiting import eventually
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 OK = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
@@ -130,7 +131,7 @@ async def test_pool_timeout_when_every_connection_is_busy_and_connect_errors():
     async with Server(script) as server:
         pool = server.pool(max_connections=1)
         busy = asyncio.ensure_future(pool.request(b"POST", b"/x", [], b"{}"))
-        await asyncio.sleep(0.1)
+        await eventually(lambda: server.connections == 1, what="the first request's connection")
         with pytest.raises(PoolTimeout):
             await pool.request(b"POST", b"/x", [], b"{}")
         busy.cancel()

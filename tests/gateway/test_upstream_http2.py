@@ -13,6 +13,7 @@ import pytest
 
 from gateway.upstream.base import Origin, Timeouts
 from gateway.upstream.http2 import H2Pool
+from tests.waiting import eventually
 
 
 class H2Server:
@@ -186,8 +187,8 @@ async def test_flow_control_follows_the_reader_and_cancel_resets_the_stream():
         assert response.body.buffered <= 16384
         first = await response.body.read(1)
         assert first and len(first) <= 16384
-        await asyncio.sleep(0.2)  # reading gave the window back: the server sent more
-        assert len(body) - len(conn.pending[stream_id]) > 16384
+        # reading gave the window back: the server sends more
+        await eventually(lambda: len(body) - len(conn.pending[stream_id]) > 16384, what="the server to send more")
         response.close()
         await wait_until(server, lambda: server.resets)
         assert server.resets[0][1] == h2.errors.ErrorCodes.CANCEL

@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-import threading
+import socket
 
 import httpx
 import openai
@@ -22,6 +22,7 @@ from websockets.sync.client import connect as ws_connect
 from gateway.core.errors import RateLimited
 from gateway.core.settings import quickstart_settings
 from tests.conftest import cluster, ws_answer
+from tests.waiting import wait_until
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -138,15 +139,20 @@ def test_pool_timeouts_are_this_sides_and_say_so(upstreams, gateways):
         "clusters": [cluster(fake, pool_size=1, warm_connections=1, pool_timeout_s=0.2)],
         "routing": {"health": {"failure_threshold": 2}, "hedging": {"enabled": False}},
     })  # fmt: skip
-    held = threading.Thread(target=lambda: httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "fake": {"hang": True}}, timeout=30))
-    held.daemon = True
-    held.start()
-    while not fake.requests:
-        threading.Event().wait(0.02)
-    for _ in range(4):
-        response = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=30)
-        assert response.status_code == 503 and response.json()["error"]["code"] == "upstream_pool_timeout"
-    assert gauge(gw, "edgegw_endpoint_breaker_state") == 0
+    # held on a socket of the test's own, closed at the end (the request is cancelled with it,
+    # so the gateway stops at once instead of draining it)
+    body = orjson.dumps({**CHAT, "fake": {"hang": True}})
+    host, port = gw.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as held:
+        held.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        wait_until(lambda: fake.requests, what="the held request to reach the upstream")
+        for _ in range(4):
+            response = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=30)
+            assert response.status_code == 503 and response.json()["error"]["code"] == "upstream_pool_timeout"
+        assert gauge(gw, "edgegw_endpoint_breaker_state") == 0
 
 
 def test_keepalives_start_before_the_upstream_sends_its_headers(upstreams, gateways):
@@ -182,8 +188,7 @@ def test_discovery_never_asks_an_endpoint_with_a_request_in_flight(upstreams, ga
     in flight, the gateway's discovery (every 0.1 s here) leaves that endpoint alone."""
     fake = upstreams(tokens=30, delay=0.05)
     gw = gateways({"clusters": [{"name": "c", "discovery_interval_s": 0.1, "endpoints": [{"url": fake.url}]}]})
-    while "fake-model" not in {m["id"] for m in httpx.get(gw.url + "/v1/models").json()["data"]}:
-        threading.Event().wait(0.05)
+    wait_until(lambda: "fake-model" in {m["id"] for m in httpx.get(gw.url + "/v1/models").json()["data"]}, what="discovery")
     seen = []
     with httpx.stream("POST", gw.url + "/v1/chat/completions", json={**CHAT, "stream": True}, timeout=30) as response:
         for line in response.iter_lines():
@@ -191,11 +196,7 @@ def test_discovery_never_asks_an_endpoint_with_a_request_in_flight(upstreams, ga
                 seen.append(len(fake.gets))
     assert len(seen) == 31 and seen[0] == seen[-1], seen  # no GET /v1/models while it streamed
     # and discovery goes on once it ended (its next turn is at most interval + 1 s away)
-    for _ in range(200):
-        if len(fake.gets) > seen[-1]:
-            break
-        threading.Event().wait(0.05)
-    assert len(fake.gets) > seen[-1]
+    wait_until(lambda: len(fake.gets) > seen[-1], what="discovery's next turn")
 
 
 def test_retry_after_is_rounded_up():

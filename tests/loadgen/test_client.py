@@ -12,6 +12,7 @@ import pytest
 from loadgen.http import BaseURL, ConnectionPool, HttpError, ssl_context
 from loadgen.openai import ErrorReader, JsonReader, RequestHead, StreamReader, make_reader
 from loadgen.types import ErrorKind
+from tests.waiting import eventually
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -176,13 +177,12 @@ async def test_cancelling_a_request_closes_its_connection(upstreams):
     pool = ConnectionPool(BaseURL.parse(fake.url + "/v1"))
     try:
         task = asyncio.ensure_future(pool.request(request(pool.base, stream=True), make_reader, 30))
-        await asyncio.sleep(0.2)
+        await eventually(lambda: fake.requests, what="the request to reach the server")
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         assert not pool.all and not pool.idle
-        await asyncio.sleep(0.3)
-        assert fake.requests[-1].disconnected.is_set()  # the server saw the client go
+        await eventually(fake.requests[-1].disconnected.is_set, what="the server to see the client go")
     finally:
         pool.close()
 

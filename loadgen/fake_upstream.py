@@ -178,7 +178,7 @@ class FakeApp:
                 return await send({"type": "http.response.body", "body": raw})
             error = {"error": {"message": f"scripted {status}", "type": "fake_error", "param": None, "code": None}}
             return await _json(send, status, error)
-        kind = "chat" if path.endswith("chat/completions") else "completion"
+        kind = "chat" if path.endswith("chat/completions") else "completions"
         model = data.get("model", "?")
         tokens, pad, delay = script["tokens"], script["pad"], script["delay"]
         if not data.get("stream"):
