@@ -52,5 +52,5 @@ def test_readyz_and_models_report_the_edge_engines_mode(built_kernels, gateways,
     mode = ready.json()["edge"]
     assert mode["dtype"] == "int4" and mode["dtype_reason"].startswith("auto: int4 on the CPU (kernels: "), mode
     models = httpx.get(gw.url + "/v1/models").json()["data"]
-    assert [m["id"] for m in models] == ["tiny"]
-    assert models[0]["metadata"] == mode
+    assert [m["id"] for m in models] == ["auto", "tiny"]  # the alias first, then the edge model
+    assert models[1]["metadata"] == mode and "metadata" not in models[0]
