@@ -34,10 +34,12 @@ class EdgeEngine(Protocol):
 
     async def reply(self, kind: str, data: dict, request_id: str, ping: float, rank: int, deadline: Deadline) -> Reply:
         """The engine's reply to ``data`` (its status and headers in hand). ``rank`` is the
-        tenant's priority class (0 interactive): the engine runs interactive sequences first
-        and preempts batch ones for them, whatever the request body says. A sequence still
-        waiting in the engine when ``deadline`` passes is dropped unrun (504
-        ``deadline_exceeded``)."""
+        tenant's priority class (0 interactive): the engine runs the more urgent classes
+        first, preempts or parks less urgent sequences for them and keeps each class's
+        ``edge.tpot_ms``, whatever the request body says. A request the engine predicts
+        cannot start before ``deadline`` or keep its class's TPOT objective is refused at
+        once (503, ``Overloaded``: the dispatcher tries the next target); one still waiting
+        in the engine when ``deadline`` passes is dropped unrun (504 ``deadline_exceeded``)."""
 
     def stats(self) -> EdgeStats:
         """What routing needs to know about it."""
@@ -51,10 +53,13 @@ class EdgeEngine(Protocol):
     async def aclose(self) -> None: ...
 
 
+_CLASSES = ("interactive", "standard", "batch")  # by rank (gateway.core.tenant.PRIORITY_CLASSES)
+
+
 def engine_request(data: dict, rank: int) -> dict:
     """The request body the engine gets: the client's, with the tenant's class as its
-    ``priority`` (interactive for the interactive class, batch for the others)."""
-    return {**data, "priority": "interactive" if rank == 0 else "batch"}
+    ``priority`` (the engine has the same three classes, each its own TPOT objective)."""
+    return {**data, "priority": _CLASSES[min(max(rank, 0), 2)]}
 
 
 def edge_stats(stats: dict | None, healthy: bool) -> EdgeStats:
