@@ -126,11 +126,15 @@ def forecast(
     if chunk <= 0:
         ttft = math.inf
     else:
-        base = cost.predict(rows_above, chunk)
-        full = cost.predict(rows_all, chunk)
-        step = full if step_target is None else max(base, min(step_target, full))
-        ahead = _sum(load.prefill_tokens, lambda q: q <= p)
-        ttft = in_flight_left + math.ceil((ahead + num_prompt_tokens) / chunk) * step
+
+        def step(tokens: int) -> float:
+            base = cost.predict(rows_above, tokens)
+            full = cost.predict(rows_all, tokens)
+            return full if step_target is None else max(base, min(step_target, full))
+
+        total = _sum(load.prefill_tokens, lambda q: q <= p) + num_prompt_tokens
+        full_steps, last = divmod(total, chunk)
+        ttft = in_flight_left + full_steps * step(chunk) + (step(last) if last else 0.0)
         waiting_above = _sum(load.waiting, lambda q: q <= p)
         preemptable = _sum(load.running, lambda q: q > p) > 0
         if load.num_running + waiting_above + 1 > load.max_num_seqs and not preemptable:
