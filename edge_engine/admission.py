@@ -19,8 +19,8 @@ time.  It follows the scheduler's rules (``edge_engine.scheduler``):
   decode rows of its class and more urgent ones, a prefill chunk cut to keep their
   objectives, and the less urgent rows that still fit its target;
 - time per output token = a decode step of every sequence of its class and more urgent
-  ones plus itself (less urgent rows are parked for it), against the tightest objective
-  among them.
+  ones plus itself (less urgent rows are parked for it; at most a full batch), against the
+  tightest objective among them.
 
 Prefix-cache hits are not counted: the prediction errs towards refusing.
 """
@@ -141,6 +141,7 @@ def forecast(
             left = min((n for q, n in load.fewest_tokens_left.items() if q <= p), default=0)
             ttft += left * cost.predict(rows_all, 0)
     # its tokens, once it decodes: every row of its class and more urgent ones, and itself
-    rows = _sum(load.decode_rows, lambda q: q <= p) + _sum(load.prefilling, lambda q: q <= p) + 1
+    # (at most a full batch: beyond it, sequences wait for a slot instead of slowing steps)
+    rows = min(load.max_num_seqs, _sum(load.decode_rows, lambda q: q <= p) + _sum(load.prefilling, lambda q: q <= p) + 1)
     limits = [objectives[q] for q in objectives if q <= p and (q == p or load.decode_rows.get(q, 0) + load.prefilling.get(q, 0))]
     return Forecast(ttft=ttft, tpot=cost.predict(rows, 0), tpot_limit=min(limits) if own is not None else None)
