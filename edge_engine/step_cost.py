@@ -7,9 +7,9 @@
 exponentially weighted least-squares fit over the measured steps (each new step weighs
 ``1 / forgetting`` times the one before it: the last ~20 steps count, so a node that gets
 busier -- another process taking a core -- moves the fit within them), pulled gently
-towards a prior (a hundredth of one step's weight) so that a
-direction the recent steps do not explore (say, 32 decode rows every step: only
-``fixed + 32 * per_row`` is seen) keeps a sensible split; no coefficient goes below zero.
+towards a prior (a hundredth of one step's weight) so that a direction the recent steps do
+not explore (say, 32 decode rows every step: only ``fixed + 32 * per_row`` is seen) keeps a
+sensible split; no coefficient goes below zero.
 
 The scheduler sizes its steps with ``predict`` (which rows fit a time-per-output-token
 objective, how large a prefill chunk may be) and the engine's admission predicts a
@@ -21,9 +21,10 @@ from __future__ import annotations
 
 __all__ = ["StepCostModel"]
 
-# features are scaled so the three coefficients have comparable sizes for the prior's pull
-_ROW_SCALE = 16.0
-_TOKEN_SCALE = 256.0
+# The features are raw counts: a step of 32 rows has x = (1, 32, 0), so when the steps seen
+# show only their sum, the ridge puts what they add over the prior almost all on the
+# per-row (or per-token) term, not on the fixed cost -- which is where it belongs on this
+# engine (a decode step costs ~5 ms a row), and a one-row step keeps being predicted cheap.
 
 
 class StepCostModel:
@@ -42,7 +43,7 @@ class StepCostModel:
     ) -> None:
         assert 0.0 < forgetting <= 1.0 and prior_weight > 0.0
         assert fixed >= 0.0 and per_row >= 0.0 and per_token >= 0.0
-        self._prior = [fixed, per_row * _ROW_SCALE, per_token * _TOKEN_SCALE]
+        self._prior = [fixed, per_row, per_token]
         self._forgetting = forgetting
         self._prior_weight = prior_weight
         self._xtx = [[0.0] * 3 for _ in range(3)]
@@ -54,11 +55,11 @@ class StepCostModel:
     def coefficients(self) -> tuple[float, float, float]:
         """(fixed, per_row, per_token) in seconds."""
         a, b, c = self._theta
-        return a, b / _ROW_SCALE, c / _TOKEN_SCALE
+        return a, b, c
 
     def predict(self, decode_rows: int, prefill_tokens: int) -> float:
         a, b, c = self._theta
-        return a + b * (decode_rows / _ROW_SCALE) + c * (prefill_tokens / _TOKEN_SCALE)
+        return a + b * decode_rows + c * prefill_tokens
 
     def observe(self, decode_rows: int, prefill_tokens: int, seconds: float) -> None:
         """A step of ``decode_rows`` decodes and ``prefill_tokens`` prefill tokens took
@@ -68,7 +69,7 @@ class StepCostModel:
         if seconds < 0.0 or (decode_rows == 0 and prefill_tokens == 0):
             return
         seconds = min(seconds, 4.0 * self.predict(decode_rows, prefill_tokens) + 0.010)
-        x = (1.0, decode_rows / _ROW_SCALE, prefill_tokens / _TOKEN_SCALE)
+        x = (1.0, float(decode_rows), float(prefill_tokens))
         lam = self._forgetting
         for i in range(3):
             row = self._xtx[i]
