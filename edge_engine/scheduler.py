@@ -19,9 +19,9 @@ least as urgent as the one that sets it always runs (its prefill chunk cut to ke
 target, at least a block), a less urgent row -- a batch decode, a batch prefill chunk --
 runs only if the step is still predicted to meet the target, else it is *parked* for this
 step: it keeps its blocks and its place, and rows parked take turns (least recently
-scheduled first).  With no objective in the step, a batch prefill chunk adds at most the
-tightest configured objective to it, so a long prompt never stalls for long a request that
-arrives meanwhile.  ``load()`` is the snapshot the engine's admission predicts with
+scheduled first).  With no objective in the step, its batch prefill chunks add together at
+most the tightest configured objective to it, so long prompts never stall for long a
+request that arrives meanwhile.  ``load()`` is the snapshot the engine's admission predicts with
 (``edge_engine.admission``).
 
 Flow control: a sequence whose reader has more than ``max_pending_outputs`` deltas unread
@@ -319,9 +319,10 @@ class Scheduler:
         A row at least as urgent as the class that sets the step's target always runs;
         its prefill chunk is cut so the step still meets the target (at least a block).
         A less urgent row runs only if the step then still meets the target, its prefill
-        chunk cut to fit.  With no target in the step, a prefill of a class without an
-        objective adds at most the tightest configured objective to the step, so a long
-        batch prompt never holds up for long an interactive request that arrives meanwhile.
+        chunk cut to fit.  With no target in the step, the prefill chunks of classes without
+        an objective add together at most the tightest configured objective to the step (at
+        least a block), so long batch prompts never hold up for long an interactive request
+        that arrives meanwhile.
         """
         if n <= 0:
             return 0
@@ -332,7 +333,12 @@ class Scheduler:
         if target is None:
             if decode or self.tightest_objective is None or self.objective(seq) is not None:
                 return n
-            return max(min(n, self.block_manager.block_size), min(n, self._tokens_within(self.tightest_objective + cost.predict(rows, tokens), rows, tokens)))
+            # all such chunks of the step together add at most the tightest objective; the
+            # first one gets at least a block, so prompts always progress
+            allowed = self._tokens_within(cost.predict(rows, 0) + self.tightest_objective, rows, tokens)
+            if tokens == 0:
+                allowed = max(allowed, self.block_manager.block_size)
+            return min(n, allowed)
         urgent = seq.priority <= setter
         if decode:
             return 1 if urgent or cost.predict(rows + 1, tokens) <= target else 0

@@ -286,3 +286,13 @@ def test_standard_rows_keep_their_own_looser_objective_beside_batch():
     standard = decoding(sched, 5, Priority.STANDARD, start=0)
     step = dict(run_step(sched))
     assert all(s in step for s in standard) and sum(1 for s in batch if s in step) == 15  # 20 rows = 200 ms
+
+
+def test_several_batch_prompts_share_one_allowance_per_step():
+    cost = FrozenCost(fixed=0.010, per_row=0.004, per_token=0.002)
+    sched = timed(cost, block_size=4)
+    prompts = [seq_of(40, Priority.BATCH, start=100 * i, arrival=float(i)) for i in range(5)]
+    for seq in prompts:
+        sched.add(seq)
+    step = run_step(sched)
+    assert sum(n for _, n in step) == 50  # 100 ms of prefill at 2 ms a token, across them
