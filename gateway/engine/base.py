@@ -87,6 +87,9 @@ def engine_gauges(stats: dict) -> Iterator[GaugeSample]:
     yield "edgegw_edge_preemptions", "Sequences preempted since start.", {}, stats["num_preemptions"]
     yield "edgegw_edge_finished", "Sequences run to their end since start (not those dropped or aborted).", {}, stats["num_requests_finished"]
     yield "edgegw_edge_deadline_drops", "Requests dropped unrun in the engine's queue, their deadline passed.", {}, stats["num_deadline_drops"]
+    yield "edgegw_edge_refused", "Requests the engine refused at admission: budget or TPOT objective predicted unattainable.", {}, stats["num_refused"]
+    yield "edgegw_edge_parked_rows", "Row-steps the engine left out to keep a class's TPOT objective.", {}, stats["num_parked_rows"]
+    yield "edgegw_edge_step_per_row_seconds", "The engine's fitted step cost per decode row.", {}, stats["step_per_row_ms"] / 1e3
     if stats["ttft_ms_p50"] is not None:
         yield "edgegw_edge_ttft_p50_seconds", "Recent median TTFT of the engine.", {}, stats["ttft_ms_p50"] / 1e3
     if stats["tpot_ms_p50"] is not None:
