@@ -87,7 +87,8 @@ def probe(url: str) -> dict:
             if r.status_code != 200:
                 r.read()
                 code = r.json().get("error", {}).get("code") if r.content else None
-                return {"status": r.status_code, "code": code, "seconds": time.monotonic() - started}
+                # the gateway's own time for it (the client's clock adds a loaded machine's delays)
+                return {"status": r.status_code, "code": code, "seconds": time.monotonic() - started, "server_timing": r.headers.get("server-timing")}
             times = []
             for line in r.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
