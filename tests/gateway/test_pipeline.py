@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from tests.conftest import cluster
+from tests.edge_engine.costs import freeze
 
 EDGE = {"enabled": True, "name": "tiny", "num_kv_blocks": 64, "block_size": 4, "max_num_batched_tokens": 64, "max_num_seqs": 4}
 ASKS = [
@@ -143,3 +144,30 @@ def test_a_request_the_engine_cannot_start_in_its_budget_is_refused_at_once_or_e
         assert late.json()["error"]["code"] == "deadline_unattainable" and int(late.headers["retry-after"]) >= 1
     assert engine.stats().num_refused == 1 and engine.stats().num_deadline_drops == 0
     assert '"finish_reason":"length"' in tail[0] and tail[1] == "data: [DONE]"  # all 400 tokens, then [DONE]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_a_request_whose_budget_passes_in_the_engines_queue_is_dropped_there_unrun(gateways, tiny_model, stream):
+    """Admitted by an engine that believes its steps are free (the node turned out slower
+    than measured), a request waits inside the engine behind a long stream holding its only
+    batch slot; the engine drops it when the budget it was handed passes: 504
+    ``deadline_exceeded`` (a stream from the in-process engine has its head out already: the
+    same error as its one event); the long stream is unharmed."""
+    edge = {**EDGE, "model": tiny_model, "max_num_seqs": 1, "max_concurrency": 4, "dtype": "float32", "num_kv_blocks": 256}
+    gw = gateways({"edge": edge})
+    engine = gw.state.fleet.edge.engine
+    freeze(engine)
+    url = gw.url + "/v1/chat/completions"
+    long = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 450, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as client, client.stream("POST", url, json=long, headers={"x-latency-budget-ms": "60000"}) as first:
+        lines = first.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))  # the engine is busy with it
+        late = client.post(url, json={**long, "stream": stream, "max_tokens": 4}, headers={"x-latency-budget-ms": "100"})
+        tail = [line for line in lines if line.startswith("data: ")][-2:]
+    if stream:
+        assert late.status_code == 200 and '"code":"deadline_exceeded"' in late.text.replace(" ", ""), late.text
+    else:
+        assert late.status_code == 504, late.text
+        assert late.json()["error"]["code"] == "deadline_exceeded"
+    assert engine.stats().num_deadline_drops == 1
+    assert '"finish_reason":"length"' in tail[0] and tail[1] == "data: [DONE]"
