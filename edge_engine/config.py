@@ -6,9 +6,14 @@ import importlib.util
 import os
 from dataclasses import dataclass, field
 
-__all__ = ["EngineConfig", "ModelConfig", "default_model_path", "DEFAULT_MODEL_FILE"]
+__all__ = ["EngineConfig", "ModelConfig", "default_model_path", "DEFAULT_MODEL_FILE", "DEFAULT_TPOT_MS", "PRIORITY_CLASSES"]
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# the priority classes by name, as ``sequence.Priority`` numbers them (lower runs first)
+PRIORITY_CLASSES = {"interactive": 0, "standard": 1, "batch": 2}
+# time-per-output-token objectives by default, in ms (None: no objective)
+DEFAULT_TPOT_MS = {"interactive": 100.0, "standard": 200.0, "batch": None}
 
 
 def default_model_path() -> str:
@@ -68,6 +73,10 @@ class EngineConfig:
     num_threads: int | None = None
     # requests whose TTFT/TPOT feed stats()
     stats_window: int = 128
+    # time-per-output-token objective per priority class, in ms (null or absent: none): steps
+    # are sized from measured step times so these classes keep it (batch rows are parked),
+    # and a request whose TTFT budget and objective cannot both be met is refused at once
+    tpot_ms: dict = field(default_factory=lambda: dict(DEFAULT_TPOT_MS))
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "fp32", "bf16", "bfloat16", "int8", "int4", "int4-a8"):
@@ -96,6 +105,18 @@ class EngineConfig:
             raise ValueError("kv_cache_memory_fraction must be in (0, 0.95]")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
+        if not isinstance(self.tpot_ms, dict):
+            raise ValueError("tpot_ms must map priority classes (interactive, standard, batch) to milliseconds or null")
+        for name, ms in self.tpot_ms.items():
+            if name not in PRIORITY_CLASSES:
+                raise ValueError(f"tpot_ms: {name!r} is not a priority class (interactive, standard, batch)")
+            if ms is not None and (isinstance(ms, bool) or not isinstance(ms, (int, float)) or not 0 < ms < 1e7):
+                raise ValueError(f"tpot_ms.{name} must be a positive number of milliseconds or null")
+
+    @property
+    def tpot_objectives(self) -> dict[int, float]:
+        """The objectives as the scheduler takes them: priority (0 interactive) -> seconds."""
+        return {PRIORITY_CLASSES[name]: ms / 1000 for name, ms in self.tpot_ms.items() if ms is not None}
 
     @property
     def model_path(self) -> str:

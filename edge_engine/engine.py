@@ -13,12 +13,20 @@ Lifecycle::
 The model runs on its own thread, so the event loop never blocks on a forward pass.  Each
 step the thread takes new requests and cancellations from an inbox, runs
 schedule -> run -> postprocess, and hands each request's delta to that request's
-``asyncio.Queue`` with ``loop.call_soon_threadsafe``.  That queue is bounded by flow
+``asyncio.Queue`` with ``loop.call_soon_threadsafe``.  It holds the scheduler's lock for
+all of that but the model run itself, and each model run's wall time feeds the step cost
+model (``StepCostModel``) that the scheduler sizes steps with (``edge.tpot_ms``) and
+admission predicts with: a request whose first token cannot come before its deadline, or
+whose class's time-per-output-token objective cannot be kept, is refused at once
+(``EngineOverloadedError``, codes ``deadline_unattainable`` / ``tpot_unattainable``; see
+``edge_engine.admission``).  That queue is bounded by flow
 control, not by its size: a sequence whose reader has ``max_pending_outputs`` deltas unread
 is paused by the scheduler (it keeps its KV blocks) and resumes once the reader drains below
 the bound, so a client that stops reading costs a few blocks, not a growing queue.  A
 request may carry a deadline (``time.monotonic()``): still waiting when it passes, it is
-dropped without running and its iterator raises ``DeadlineExceededError``.  Closing the
+dropped without running and its iterator raises ``DeadlineExceededError`` -- at once, by a
+watchdog thread that sleeps until the next deadline and takes the scheduler's lock while the
+model runs, not at the end of a step that may take seconds on a busy node.  Closing the
 iterator early (``aclose()``, task cancellation, a client that went away) posts a
 cancellation: the sequence is removed and its blocks freed at the next step.  An exception inside a model step
 fails the sequences of that step with ``EngineError`` and the engine keeps serving.
@@ -27,6 +35,7 @@ fails the sequences of that step with ``EngineError`` and the engine keeps servi
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 import math
 import random
@@ -39,6 +48,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from .admission import forecast
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .errors import (
@@ -53,8 +63,9 @@ from .loader import load_model
 from .runner import ModelRunner, resolve_dtypes
 from .runner import describe_dtype as _describe_dtype
 from .sampling import SampleResult, SamplingParams
-from .scheduler import Scheduler
+from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Delta, Priority, Sequence, StageTimes
+from .step_cost import StepCostModel
 from .tokenizer import IncrementalDetokenizer
 
 __all__ = ["Engine", "EngineStats", "describe_dtype"]
@@ -89,6 +100,11 @@ class EngineStats:
     num_preemptions: int
     num_step_failures: int
     num_deadline_drops: int  # waiting requests dropped unstarted because their deadline passed
+    num_refused: int  # requests refused at admission: TTFT budget or TPOT objective predicted unattainable
+    num_parked_rows: int  # row-steps left out of a step to keep a class's TPOT objective
+    step_fixed_ms: float  # the step cost model: fixed cost per step
+    step_per_row_ms: float  # per decode row
+    step_per_token_ms: float  # per prefill token
 
     def as_dict(self) -> dict:
         # the fields are plain values: no need for asdict's recursive copy (a node's workers
@@ -143,12 +159,10 @@ def _on_fresh_thread(fn, *args, **kwargs):
 
 
 def _parse_priority(priority: int | str) -> int:
-    if isinstance(priority, str):
-        try:
-            return int(Priority[priority.upper()])
-        except KeyError:
-            raise InvalidRequestError("priority must be 'interactive' or 'batch'", "priority", "invalid_value") from None
-    return int(priority)
+    try:
+        return int(Priority[priority.upper()]) if isinstance(priority, str) else int(Priority(priority))
+    except (KeyError, ValueError):
+        raise InvalidRequestError("priority must be 'interactive', 'standard' or 'batch'", "priority", "invalid_value") from None
 
 
 class Engine:
@@ -180,22 +194,36 @@ class Engine:
         log = logger.warning if self.runner.dtype_reason.startswith("auto: float32, not int4") else logger.info
         log("edge engine %s on %s: dtype %s (%s)", self.model_name, self.device, self.runner.dtype_name, self.runner.dtype_reason)
         self.block_manager = BlockManager(self.num_kv_blocks, self.block_size, config.enable_prefix_caching)
+        self.cost = StepCostModel()  # fitted on every model run
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_pending_outputs=config.max_pending_outputs,
+            tpot_objectives=config.tpot_objectives,
+            cost=self.cost,
         )
         self._eos_ids = set(self.tokenizer.eos_token_ids)
         _ = self.tokenizer.max_token_chars  # computed once, now rather than on the first request
+        # the scheduler's state: held by the step thread except while the model runs, and by
+        # the watchdog; taken before the inbox's lock when both are needed
+        self._sched_lock = threading.Lock()
         # inbox, filled by the event loop, drained by the step thread
-        self._cond = threading.Condition()
+        self._inbox_lock = threading.Lock()
+        self._cond = threading.Condition(self._inbox_lock)  # the step thread waits on it
+        self._deadline_cond = threading.Condition(self._inbox_lock)  # the watchdog waits on it
+        self._deadlines: list[tuple[float, int, Sequence]] = []  # heap of (deadline, seq_id, seq)
         self._pending_adds: list[Sequence] = []
         self._pending_aborts: list[Sequence] = []
         self._wakeup = False  # a paused sequence's reader caught up
         self._last_step_ran = True  # False: sleep until the inbox, a reader or a deadline says otherwise
         self._thread: threading.Thread | None = None
+        self._watchdog: threading.Thread | None = None
         self._stopping = False
+        # what admission predicts with: the scheduler's load (after the step in flight) and
+        # that step's (start, predicted seconds); replaced whole by the step thread
+        self._load = self.scheduler.load()
+        self._in_flight: tuple[float, float] | None = None
         self._closed = False
         # statistics
         self._ttfts: deque[float] = deque(maxlen=config.stats_window)
@@ -203,6 +231,7 @@ class Engine:
         self.num_requests_finished = 0
         self.num_step_failures = 0
         self.num_deadline_drops = 0
+        self.num_refused = 0
 
     def _num_kv_blocks(self, kv_dtype: torch.dtype) -> int:
         config = self.config
@@ -230,6 +259,8 @@ class Engine:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="edge-engine-step", daemon=True)
             self._thread.start()
+            self._watchdog = threading.Thread(target=self._watch, name="edge-engine-deadlines", daemon=True)
+            self._watchdog.start()
 
     async def close(self) -> None:
         """Stop the step thread; requests still in flight fail with ``EngineClosedError``."""
@@ -237,9 +268,13 @@ class Engine:
         with self._cond:
             self._stopping = True
             self._cond.notify()
+            self._deadline_cond.notify()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
+        if self._watchdog is not None:
+            await asyncio.to_thread(self._watchdog.join)
+            self._watchdog = None
 
     @property
     def is_running(self) -> bool:
@@ -311,16 +346,53 @@ class Engine:
                 "context_length_exceeded",
             )
 
-    def check_capacity(self) -> None:
-        """Raise ``EngineOverloadedError`` when the waiting queue is at its limit."""
+    def check_capacity(
+        self, num_prompt_tokens: int = 0, priority: int = Priority.INTERACTIVE, deadline: float | None = None
+    ) -> None:
+        """Raise ``EngineOverloadedError`` when the waiting queue is at its limit, or (given
+        the request's prompt length) when its first token is predicted after ``deadline``
+        (``deadline_unattainable``) or its class's time-per-output-token objective cannot be
+        kept beside the work of its class and the more urgent ones (``tpot_unattainable``).
+        The prediction (``edge_engine.admission.forecast``) reads the step cost model, so it
+        follows the node's load."""
         if self._closed:
             raise EngineClosedError()
-        depth = self.scheduler.num_waiting + len(self._pending_adds)
+        with self._cond:
+            queued = [(s.priority, s.num_prompt_tokens) for s in self._pending_adds]
+        depth = self.scheduler.num_waiting + len(queued)
         if depth >= self.config.max_queue_len:
             ttft = statistics.median(self._ttfts) if self._ttfts else 1.0
             retry_after = max(1, math.ceil(ttft * depth / self.config.max_num_seqs))
             raise EngineOverloadedError(
                 f"the edge engine's queue is full ({depth} waiting requests)", retry_after=min(retry_after, 60)
+            )
+        objectives = self.scheduler.tpot_objectives
+        if num_prompt_tokens <= 0 or (deadline is None and priority not in objectives):
+            return
+        now = time.monotonic()
+        left = 0.0
+        in_flight = self._in_flight
+        if in_flight is not None:  # a step late by x is taken to need x more
+            elapsed = now - in_flight[0]
+            left = abs(in_flight[1] - elapsed)
+        load = self._load.with_queued(queued) if queued else self._load
+        expect = forecast(load, self.cost, objectives, priority, num_prompt_tokens, left)
+        if not expect.tpot_ok:
+            self.num_refused += 1
+            raise EngineOverloadedError(
+                f"the edge engine cannot keep this request's tokens within {expect.tpot_limit * 1000:.0f} ms of each other "
+                f"beside the work of its priority class (a step predicted at {expect.tpot * 1000:.0f} ms)",
+                retry_after=max(1, min(60, math.ceil(expect.ttft))) if math.isfinite(expect.ttft) else 60,
+                code="tpot_unattainable",
+            )
+        if deadline is not None and now + expect.ttft > deadline:
+            self.num_refused += 1
+            predicted = f"{expect.ttft * 1000:.0f} ms" if math.isfinite(expect.ttft) else "never, as things stand"
+            raise EngineOverloadedError(
+                f"the edge engine cannot start this request within its budget: its first token is predicted in "
+                f"{predicted}, with {max(0.0, deadline - now) * 1000:.0f} ms left",
+                retry_after=max(1, min(60, math.ceil(expect.ttft))) if math.isfinite(expect.ttft) else 60,
+                code="deadline_unattainable",
             )
 
     def add_request(
@@ -333,11 +405,14 @@ class Engine:
         deadline: float | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
         queue: asyncio.Queue | None = None,
+        admitted: bool = False,
     ) -> Sequence:
         """Validate and enqueue; returns the sequence whose deltas go to ``queue``.
 
         ``deadline`` is a ``time.monotonic()`` value: if the sequence has not started by
-        then it is dropped with ``DeadlineExceededError``.  The reader of ``queue`` must call
+        then it is dropped with ``DeadlineExceededError``; a request predicted to miss it,
+        or its class's TPOT objective, is refused (``check_capacity``) unless ``admitted``
+        says that the caller's own ``check_capacity`` passed a moment ago.  The reader of ``queue`` must call
         ``consumed(seq)`` for each item it takes (flow control).  Most callers want
         ``generate``, which does; this is its non-iterator half.
         """
@@ -348,14 +423,18 @@ class Engine:
         else:
             prompt_ids = list(prompt)
         max_tokens = self.validate(prompt_ids, params)
-        self.check_capacity()
+        priority = _parse_priority(priority)
         if deadline is not None and deadline <= time.monotonic():
             raise DeadlineExceededError()
+        if admitted:
+            self.check_capacity()
+        else:
+            self.check_capacity(len(prompt_ids), priority, deadline)
         seq = Sequence(
             prompt_ids,
             params,
             request_id=request_id or "",
-            priority=_parse_priority(priority),
+            priority=priority,
             max_tokens=max_tokens,
             deadline=deadline,
         )
@@ -367,6 +446,10 @@ class Engine:
         with self._cond:
             self._pending_adds.append(seq)
             self._cond.notify()
+            if deadline is not None:
+                heapq.heappush(self._deadlines, (deadline, seq.seq_id, seq))
+                if self._deadlines[0][2] is seq:  # the watchdog's next wake-up moved earlier
+                    self._deadline_cond.notify()
         return seq
 
     def abort(self, seq: Sequence) -> None:
@@ -392,14 +475,18 @@ class Engine:
         request_id: str | None = None,
         priority: int | str = Priority.INTERACTIVE,
         deadline: float | None = None,
+        admitted: bool = False,
     ) -> AsyncIterator[Delta]:
         """Yield deltas until one carries ``finish_reason``.
 
         Raises ``InvalidRequestError`` / ``EngineOverloadedError`` on the first iteration when
         the request is refused, ``DeadlineExceededError`` if ``deadline`` (``time.monotonic()``)
         passes before the request starts, and ``EngineError`` if a model step fails.
+        ``admitted``: see ``add_request``.
         """
-        seq = self.add_request(prompt, params, request_id=request_id, priority=priority, deadline=deadline)
+        seq = self.add_request(
+            prompt, params, request_id=request_id, priority=priority, deadline=deadline, admitted=admitted
+        )
         queue: asyncio.Queue = seq.sink[1]
         done = False
         try:
@@ -423,7 +510,7 @@ class Engine:
         while True:
             with self._cond:
                 # after a step that scheduled nothing (all paused, or blocked on blocks held by
-                # paused sequences), sleep until something changes or a deadline comes due
+                # paused sequences), sleep until something changes (deadlines: the watchdog's)
                 while not (
                     self._stopping
                     or self._pending_adds
@@ -431,38 +518,80 @@ class Engine:
                     or self._wakeup
                     or (self._last_step_ran and self.scheduler.has_work())
                 ):
-                    deadline = self.scheduler.next_deadline()
-                    timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-                    if not self._cond.wait(timeout) and timeout is not None:
-                        break  # a deadline came due
+                    self._cond.wait()
                 if self._stopping:
                     break
-                adds, self._pending_adds = self._pending_adds, []
-                aborts, self._pending_aborts = self._pending_aborts, []
-                self._wakeup = False
             try:
-                for seq in adds:
-                    self.scheduler.add(seq)
-                for seq in aborts:
-                    if not seq.is_finished:
-                        self.scheduler.finish(seq, "abort")
-                events = self._drop_expired()
+                with self._sched_lock:
+                    with self._cond:
+                        adds, self._pending_adds = self._pending_adds, []
+                        aborts, self._pending_aborts = self._pending_aborts, []
+                        self._wakeup = False
+                    for seq in adds:
+                        self.scheduler.add(seq)
+                    for seq in aborts:
+                        if not seq.is_finished:
+                            self.scheduler.finish(seq, "abort")
+                    events = self._drop_expired()
                 events += self.step()
             except Exception as exc:  # a bug outside the model call: fail what is running, keep going
                 logger.exception("engine step failed")
                 self.num_step_failures += 1
                 self._last_step_ran = True
-                events = self._fail_all(EngineError(f"engine step failed: {exc!r}"))
+                with self._sched_lock:
+                    events = self._fail_all(EngineError(f"engine step failed: {exc!r}"))
             try:
                 self._deliver(events)
             except Exception:  # never let the step thread die: its requests would hang
                 logger.exception("delivering engine outputs failed")
         # stopping: everything still queued or running fails
-        with self._cond:
-            adds, self._pending_adds = self._pending_adds, []
-        for seq in adds:
-            self.scheduler.add(seq)
-        self._deliver(self._fail_all(EngineClosedError("the edge engine was closed")))
+        with self._sched_lock:
+            with self._cond:
+                adds, self._pending_adds = self._pending_adds, []
+            for seq in adds:
+                self.scheduler.add(seq)
+            events = self._fail_all(EngineClosedError("the edge engine was closed"))
+        self._deliver(events)
+
+    def _watch(self) -> None:
+        """The watchdog: sleeps until the earliest deadline of a request not yet started,
+        then answers every request whose deadline has passed and that is still waiting
+        (in the inbox or the scheduler's queue) with ``DeadlineExceededError`` -- while the
+        step thread is inside a model run, since it holds the scheduler's lock only
+        between runs."""
+        while True:
+            with self._cond:
+                while not self._stopping:
+                    now = time.monotonic()
+                    if self._deadlines and self._deadlines[0][0] <= now:
+                        break
+                    self._deadline_cond.wait(self._deadlines[0][0] - now if self._deadlines else None)
+                if self._stopping:
+                    return
+            try:
+                self.expire(time.monotonic())
+            except Exception:  # never let the watchdog die: deadlines would wait for steps again
+                logger.exception("the engine's deadline watchdog failed")
+
+    def expire(self, now: float) -> int:
+        """Answer (``DeadlineExceededError``) every request not yet started whose deadline
+        is ``<= now``; returns how many.  The watchdog calls it; safe from any thread."""
+        events: list[tuple[Sequence, object]] = []
+        with self._sched_lock:
+            with self._cond:
+                due = []
+                while self._deadlines and self._deadlines[0][0] <= now:
+                    due.append(heapq.heappop(self._deadlines)[2])
+                for seq in due:
+                    if seq.is_finished or seq.is_started:
+                        continue
+                    if seq in self._pending_adds:  # not seen by the step thread yet
+                        self._pending_adds.remove(seq)
+                    self.scheduler.finish(seq, "deadline")
+                    events.append((seq, DeadlineExceededError()))
+            self.num_deadline_drops += len(events)
+            self._deliver_locked(events)
+        return len(events)
 
     def _drop_expired(self) -> list[tuple[Sequence, object]]:
         expired = self.scheduler.remove_expired(time.monotonic())
@@ -479,31 +608,50 @@ class Engine:
     def step(self) -> list[tuple[Sequence, object]]:
         """One schedule -> run -> postprocess round; returns (sequence, Delta | EngineError).
 
-        Runs on the step thread; call it directly only on an engine whose thread is not started.
+        Runs on the step thread; call it directly only on an engine whose thread is not
+        started.  The scheduler's lock is held for the schedule and the postprocess, not for
+        the model run, whose wall time feeds the step cost model.
         """
-        out = self.scheduler.schedule()
-        self._last_step_ran = bool(out)
-        if not out:
-            return []
+        with self._sched_lock:
+            out = self.scheduler.schedule()
+            self._last_step_ran = bool(out)
+            self._load = self.scheduler.load(out if out else None)
+            if not out:
+                return []
+            self._in_flight = (time.monotonic(), out.predicted_time)
+        started = time.perf_counter()
         try:
-            results = self.runner.run(out.scheduled)
+            results = self.run_model(out)
         except Exception as exc:
             logger.exception("model step failed")
-            self.num_step_failures += 1
             error = EngineError(f"model step failed: {exc!r}")
-            events: list[tuple[Sequence, object]] = []
-            for seq, _ in out.scheduled:
-                self.scheduler.finish(seq, "error")
-                events.append((seq, error))
+            with self._sched_lock:
+                self._in_flight = None
+                self.num_step_failures += 1
+                events: list[tuple[Sequence, object]] = []
+                for seq, _ in out.scheduled:
+                    self.scheduler.finish(seq, "error")
+                    events.append((seq, error))
+                self._load = self.scheduler.load()
             return events
-        now = time.monotonic()
-        events = []
-        for (seq, n), result in zip(out.scheduled, results):
-            seq.num_computed_tokens += n
-            self.block_manager.register_full_blocks(seq)
-            if result is not None:
-                events.append((seq, self._append_token(seq, result, now)))
+        elapsed = time.perf_counter() - started
+        with self._sched_lock:
+            self._in_flight = None
+            self.cost.observe(out.num_decode_rows, out.num_prefill_tokens, elapsed)
+            now = time.monotonic()
+            events = []
+            for (seq, n), result in zip(out.scheduled, results):
+                seq.num_computed_tokens += n
+                self.block_manager.register_full_blocks(seq)
+                if result is not None:
+                    events.append((seq, self._append_token(seq, result, now)))
+            self._load = self.scheduler.load()
         return events
+
+    def run_model(self, out: SchedulerOutput) -> list:
+        """The model run of one step (the step thread, no lock held): a seam for tests that
+        need a step to last until they say so."""
+        return self.runner.run(out.scheduled)
 
     def _append_token(self, seq: Sequence, result: SampleResult, now: float) -> Delta:
         params = seq.params
@@ -556,6 +704,12 @@ class Engine:
         )
 
     def _deliver(self, events: list[tuple[Sequence, object]]) -> None:
+        with self._sched_lock:
+            self._deliver_locked(events)
+
+    def _deliver_locked(self, events: list[tuple[Sequence, object]]) -> None:
+        """Hand each item to its sequence's queue on that queue's event loop (the
+        scheduler's lock held: the produced-count and the abort below are its state)."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
         for seq, item in events:
             seq.num_outputs_produced += 1
@@ -573,6 +727,7 @@ class Engine:
     def stats(self) -> EngineStats:
         bm = self.block_manager
         ttfts, tpots = list(self._ttfts), list(self._tpots)
+        fixed, per_row, per_token = self.cost.coefficients
         return EngineStats(
             model=self.model_name,
             device=str(self.device),
@@ -595,6 +750,11 @@ class Engine:
             num_preemptions=self.scheduler.num_preemptions,
             num_step_failures=self.num_step_failures,
             num_deadline_drops=self.num_deadline_drops,
+            num_refused=self.num_refused,
+            num_parked_rows=self.scheduler.num_parked_rows,
+            step_fixed_ms=fixed * 1000,
+            step_per_row_ms=per_row * 1000,
+            step_per_token_ms=per_token * 1000,
         )
 
     def __repr__(self) -> str:

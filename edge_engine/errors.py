@@ -4,7 +4,8 @@ Hierarchy::
 
     EngineError                   something went wrong inside the engine (-> HTTP 500)
     ├── InvalidRequestError       bad input: names the parameter (-> HTTP 400)
-    ├── EngineOverloadedError     waiting queue full (-> HTTP 503 + Retry-After)
+    ├── EngineOverloadedError     waiting queue full, or the request's TTFT budget / its class's
+    │                             TPOT objective predicted unattainable (-> HTTP 503 + Retry-After)
     ├── DeadlineExceededError     the request's deadline passed before it started (-> HTTP 504)
     └── EngineClosedError         the engine is not running (-> HTTP 503)
 
@@ -52,13 +53,17 @@ class InvalidRequestError(EngineError):
 
 
 class EngineOverloadedError(EngineError):
-    """The waiting queue is at its configured limit; retry after ``retry_after`` seconds."""
+    """The engine cannot take the request now; retry after ``retry_after`` seconds.
+
+    ``code``: ``engine_overloaded`` (the waiting queue is at its configured limit),
+    ``deadline_unattainable`` (its first token is predicted after its deadline) or
+    ``tpot_unattainable`` (its class's time-per-output-token objective could not be kept)."""
 
     status_code = 503
     type = "server_error"
 
-    def __init__(self, message: str, retry_after: int = 1) -> None:
-        super().__init__(message, code="engine_overloaded")
+    def __init__(self, message: str, retry_after: int = 1, code: str = "engine_overloaded") -> None:
+        super().__init__(message, code=code)
         self.retry_after = retry_after
 
 

@@ -14,10 +14,11 @@ __all__ = ["Sequence", "SequenceStatus", "Delta", "Priority", "StageTimes"]
 
 
 class Priority(enum.IntEnum):
-    """Lower runs first."""
+    """Lower runs first (the gateway's tenant classes, by the same names)."""
 
     INTERACTIVE = 0
-    BATCH = 1
+    STANDARD = 1
+    BATCH = 2
 
 
 class SequenceStatus(enum.Enum):

@@ -13,7 +13,10 @@ Supported fields: ``messages`` (chat; string content or a list of ``text`` parts
 ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``,
 ``stop``, ``stop_token_ids``, ``min_tokens``, ``ignore_eos``, ``logprobs`` (+
 ``top_logprobs`` for chat; an integer for completions), ``n`` (1 only), ``stream``,
-``stream_options.include_usage`` and ``priority`` ("interactive" | "batch").
+``stream_options.include_usage`` and ``priority`` ("interactive" | "standard" | "batch", or
+0 | 1 | 2).  ``prepare`` also runs the engine's admission: a request whose first token is
+predicted after its deadline, or whose class's TPOT objective cannot be kept, is refused
+(``EngineOverloadedError``, 503) before it is queued.
 ``presence_penalty`` / ``frequency_penalty`` are range-checked; only 0 is implemented.
 """
 
@@ -141,15 +144,15 @@ class OpenAIServing:
                 exc.message = exc.message.replace("max_tokens", max_tokens_param)
             raise
         priority = body.get("priority", "interactive")
-        if priority not in ("interactive", "batch", 0, 1):
-            raise _bad("priority must be 'interactive' or 'batch'", "priority")
+        if isinstance(priority, bool) or priority not in ("interactive", "standard", "batch", 0, 1, 2):
+            raise _bad("priority must be 'interactive', 'standard' or 'batch'", "priority")
         priority = Priority[priority.upper()] if isinstance(priority, str) else Priority(priority)
 
         max_tokens = self.engine.validate(
             prompt_ids, params, prompt_param=prompt_param, max_tokens_param=max_tokens_param
         )
         params.max_tokens = max_tokens
-        self.engine.check_capacity()
+        self.engine.check_capacity(len(prompt_ids), priority, deadline)
         return PreparedRequest(
             kind=kind,
             prompt_token_ids=prompt_ids,
@@ -205,6 +208,7 @@ class OpenAIServing:
             request_id=request_id,
             priority=prepared.priority,
             deadline=prepared.deadline,
+            admitted=True,  # prepare's check_capacity
         )
 
     def _token_text(self, token_id: int) -> str:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from edge_engine.config import EngineConfig
+from edge_engine.config import DEFAULT_TPOT_MS, EngineConfig
 from gateway.core.cpus import cpu_set
 from gateway.core.settings_base import ConfigModel
 
@@ -19,7 +20,7 @@ _ENGINE = {f.name: f.default for f in dataclasses.fields(EngineConfig)}  # the e
 _ENGINE_KEYS = (
     "dtype", "device", "block_size", "num_kv_blocks", "kv_cache_memory_fraction", "max_kv_cache_tokens",
     "max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_queue_len", "max_pending_outputs", "enable_prefix_caching",
-    "num_threads",
+    "num_threads", "tpot_ms",
 )
 
 
@@ -45,6 +46,8 @@ class EdgeSettings(ConfigModel):
     max_pending_outputs: int = _ENGINE["max_pending_outputs"]  # unread tokens per stream before its sequence pauses
     enable_prefix_caching: bool = _ENGINE["enable_prefix_caching"]  # share KV blocks of repeated prefixes
     num_threads: int | None = _ENGINE["num_threads"]  # torch CPU threads; null: torch's default
+    # time-per-output-token objective per priority class in ms (null or absent: none); see EngineConfig
+    tpot_ms: dict[Literal["interactive", "standard", "batch"], float | None] = Field(default_factory=lambda: dict(DEFAULT_TPOT_MS))
     process: bool = False  # run the engine in a process of its own (always so with listen.workers > 1)
     # with the engine in its own process: the CPUs it runs on, a Linux CPU list ("0-3,8");
     # the relay workers then run on the others (null: everyone shares every CPU)

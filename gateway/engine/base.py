@@ -34,10 +34,12 @@ class EdgeEngine(Protocol):
 
     async def reply(self, kind: str, data: dict, request_id: str, ping: float, rank: int, deadline: Deadline) -> Reply:
         """The engine's reply to ``data`` (its status and headers in hand). ``rank`` is the
-        tenant's priority class (0 interactive): the engine runs interactive sequences first
-        and preempts batch ones for them, whatever the request body says. A sequence still
-        waiting in the engine when ``deadline`` passes is dropped unrun (504
-        ``deadline_exceeded``)."""
+        tenant's priority class (0 interactive): the engine runs the more urgent classes
+        first, preempts or parks less urgent sequences for them and keeps each class's
+        ``edge.tpot_ms``, whatever the request body says. A request the engine predicts
+        cannot start before ``deadline`` or keep its class's TPOT objective is refused at
+        once (503, ``Overloaded``: the dispatcher tries the next target); one still waiting
+        in the engine when ``deadline`` passes is dropped unrun (504 ``deadline_exceeded``)."""
 
     def stats(self) -> EdgeStats:
         """What routing needs to know about it, ``structured_output`` included."""
@@ -57,10 +59,13 @@ class EdgeEngine(Protocol):
     async def aclose(self) -> None: ...
 
 
+_CLASSES = ("interactive", "standard", "batch")  # by rank (gateway.core.tenant.PRIORITY_CLASSES)
+
+
 def engine_request(data: dict, rank: int) -> dict:
     """The request body the engine gets: the client's, with the tenant's class as its
-    ``priority`` (interactive for the interactive class, batch for the others)."""
-    return {**data, "priority": "interactive" if rank == 0 else "batch"}
+    ``priority`` (the engine has the same three classes, each its own TPOT objective)."""
+    return {**data, "priority": _CLASSES[min(max(rank, 0), 2)]}
 
 
 def edge_stats(stats: dict | None, healthy: bool) -> EdgeStats:
@@ -89,6 +94,9 @@ def engine_gauges(stats: dict) -> Iterator[GaugeSample]:
     yield "edgegw_edge_preemptions", "Sequences preempted since start.", {}, stats["num_preemptions"]
     yield "edgegw_edge_finished", "Sequences run to their end since start (not those dropped or aborted).", {}, stats["num_requests_finished"]
     yield "edgegw_edge_deadline_drops", "Requests dropped unrun in the engine's queue, their deadline passed.", {}, stats["num_deadline_drops"]
+    yield "edgegw_edge_refused", "Requests the engine refused at admission: budget or TPOT objective predicted unattainable.", {}, stats["num_refused"]
+    yield "edgegw_edge_parked_rows", "Row-steps the engine left out to keep a class's TPOT objective.", {}, stats["num_parked_rows"]
+    yield "edgegw_edge_step_per_row_seconds", "The engine's fitted step cost per decode row.", {}, stats["step_per_row_ms"] / 1e3
     if stats["ttft_ms_p50"] is not None:
         yield "edgegw_edge_ttft_p50_seconds", "Recent median TTFT of the engine.", {}, stats["ttft_ms_p50"] / 1e3
     if stats["tpot_ms_p50"] is not None:

@@ -7,8 +7,10 @@ targets that can start the request within its budget (``_admissible``: the queue
 predicted wait plus the target's TTFT estimate; none: the request is answered at once),
 then takes a slot in the target's queue (``gateway.pipeline.queue``; a request whose deadline
 passes while it waits is dropped, never sent) and opens a reply through the fleet, walking
-the fallbacks on a connect error, a pool timeout, a refused engine or a 5xx before the
-first byte (within the retry budget). It returns an ``Opened``.
+the fallbacks on a connect error, a pool timeout, a refused engine (its queue full, or its
+own admission predicting the budget or the class's TPOT objective missed) or a 5xx before
+the first byte (within the retry budget). It returns an ``Opened``; when every target
+refused for capacity, the last refusal is the answer (503 with its code and Retry-After).
 
 Hedging is for streams only: a JSON answer's first byte is the whole generation, and
 hedging it would double every long request.
@@ -310,6 +312,8 @@ class Dispatcher:
                 raise PoolTimeout(message, retry_after=retry_after)
             if kinds and all(issubclass(k, UpstreamTimeout) for k in kinds):
                 raise type(last_error)(message)  # 504: every target was silent
+            if kinds == {Overloaded}:  # every target refused it for capacity (the engine: its budget or TPOT can't be met)
+                raise last_error
         raise NoHealthyUpstream(message, retry_after=retry_after)
 
 

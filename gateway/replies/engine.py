@@ -75,7 +75,7 @@ def engine_error_of(status: int, body: bytes, retry_after: bytes | None) -> Engi
         return InvalidRequestError(message, param=param, code=code)
     if status == 503 and retry_after is not None:  # its queue is full
         try:
-            return EngineOverloadedError(message, retry_after=float(retry_after))
+            return EngineOverloadedError(message, retry_after=float(retry_after), code=code or "engine_overloaded")
         except ValueError:
             pass
     if status == 503:

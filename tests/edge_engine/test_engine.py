@@ -311,7 +311,11 @@ async def test_a_request_whose_deadline_passes_in_the_queue_is_dropped_before_it
         )
         await blocker.__anext__()
         reader = asyncio.create_task(collect_rest(blocker)) if blocker_reads else None
-        late = engine.generate("Hello", SamplingParams(max_tokens=4), request_id="late", deadline=time.monotonic() + 0.02)
+        # admitted as if the prediction had let it in (admission would refuse it: see
+        # test_admission.py), the deadline passes while it waits for the slot
+        late = engine.generate(
+            "Hello", SamplingParams(max_tokens=4), request_id="late", deadline=time.monotonic() + 0.02, admitted=True
+        )
         with pytest.raises(DeadlineExceededError) as info:
             await asyncio.wait_for(late.__anext__(), 10)
         assert info.value.status_code == 504 and info.value.to_dict()["error"]["code"] == "deadline_exceeded"

@@ -1,11 +1,16 @@
-"""Scheduling decisions: token budget, chunked prefill, priorities, preemption (no model)."""
+"""Scheduling decisions: token budget, chunked prefill, priorities, preemption, steps sized to
+TPOT objectives by a given step cost model (no model, no clock)."""
 
 from __future__ import annotations
+
+import pytest
 
 from edge_engine.block_manager import BlockManager
 from edge_engine.sampling import SamplingParams
 from edge_engine.scheduler import Scheduler
 from edge_engine.sequence import Priority, Sequence, SequenceStatus
+from edge_engine.step_cost import StepCostModel
+from tests.edge_engine.costs import FrozenCost
 
 
 def make(num_blocks=32, block_size=4, budget=16, max_seqs=8):
@@ -176,3 +181,118 @@ def test_expired_waiting_sequences_are_removed_unstarted_ones_only():
     assert sched.waiting == [in_time, no_deadline] and sched.running == [started]
     assert sched.next_deadline() == 30.0
     bm.check_invariants(sched.running + sched.waiting)
+
+
+# -- time-per-output-token objectives: steps sized by the step cost model -------------------
+
+OBJECTIVES = {Priority.INTERACTIVE: 0.100, Priority.STANDARD: 0.200}  # batch: none
+
+
+def timed(cost: StepCostModel, budget=512, max_seqs=32, block_size=4) -> Scheduler:
+    bm = BlockManager(512, block_size)
+    return Scheduler(bm, max_num_seqs=max_seqs, max_num_batched_tokens=budget, tpot_objectives=OBJECTIVES, cost=cost)
+
+
+def decoding(sched: Scheduler, n: int, priority: Priority, start: int) -> list[Sequence]:
+    """``n`` sequences of ``priority`` past their prefill (each one decode row per step)."""
+    seqs = [seq_of(2, priority, start=start + 3 * i, arrival=float(start + i)) for i in range(n)]
+    for seq in seqs:
+        sched.add(seq)
+    for _ in range(100):
+        if all(s.num_output_tokens for s in seqs):
+            return seqs
+        run_step(sched)
+    raise AssertionError("not all of them got through their prefill")
+
+
+def test_with_a_measured_step_time_that_misses_the_objective_batch_rows_are_parked_and_take_turns():
+    cost = StepCostModel()
+    for k in range(1, 33):  # measured: 10 ms a decode row, nothing fixed
+        for _ in range(3):
+            cost.observe(k, 0, 0.010 * k)
+    sched = timed(cost)
+    batch = decoding(sched, 20, Priority.BATCH, start=100)
+    assert len(run_step(sched)) == 20  # no objective in the step: every batch row runs
+    interactive = decoding(sched, 1, Priority.INTERACTIVE, start=0)[0]
+    parked = sched.num_parked_rows
+    step = run_step(sched)
+    rows = [s for s, _ in step]
+    # as many batch rows as fit beside it in 100 ms (1 + 9 at the measured ~10 ms a row): the
+    # other ~11 batch rows wait this step
+    assert rows[0] is interactive and len(rows) in (9, 10) and sched.num_parked_rows - parked == 21 - len(rows)
+    assert cost.predict(len(rows), 0) <= 0.100 < cost.predict(len(rows) + 1, 0)
+    assert all(s.status is SequenceStatus.RUNNING and s.block_table for s in batch)  # parked, not preempted
+    second = [s for s, _ in run_step(sched)]
+    assert second[0] is interactive and not set(rows[1:]) & set(second[1:])  # the parked ones go next
+    assert cost.predict(len(second), 0) <= 0.100 + 1e-9
+    for _ in range(60):  # the node gets faster: 2 ms a row
+        cost.observe(21, 0, 0.002 * 21)
+    assert len(run_step(sched)) == 21  # everyone fits again
+    sched.finish(interactive, "stop")
+    assert len(run_step(sched)) == 20
+
+
+def test_an_urgent_prefill_is_chunked_to_keep_the_objective_of_the_rows_decoding():
+    cost = FrozenCost(fixed=0.010, per_row=0.010, per_token=0.001)
+    sched = timed(cost)
+    decoding(sched, 5, Priority.INTERACTIVE, start=0)  # 5 rows: 60 ms
+    new = seq_of(100, Priority.INTERACTIVE, start=200, arrival=100.0)
+    sched.add(new)
+    step = dict(run_step(sched))
+    assert step[new] == 40  # 40 ms of prefill left in the 100 ms target
+    assert cost.predict(5, step[new]) == pytest.approx(0.100)
+
+
+def test_an_urgent_prefill_gets_at_least_a_block_even_when_the_target_is_spent():
+    cost = FrozenCost(fixed=0.010, per_row=0.020, per_token=0.001)
+    sched = timed(cost, block_size=4)
+    decoding(sched, 5, Priority.INTERACTIVE, start=0)  # 110 ms already: past the target
+    new = seq_of(100, Priority.INTERACTIVE, start=200, arrival=100.0)
+    sched.add(new)
+    assert dict(run_step(sched))[new] == 4
+
+
+def test_a_batch_prefill_alone_adds_at_most_the_tightest_objective_to_a_step():
+    cost = FrozenCost(fixed=0.010, per_row=0.004, per_token=0.002)
+    sched = timed(cost)
+    decoding(sched, 10, Priority.BATCH, start=0)
+    long = seq_of(300, Priority.BATCH, start=100, arrival=100.0)
+    sched.add(long)
+    step = dict(run_step(sched))
+    assert len(step) == 11 and step[long] == 50  # 100 ms of prefill at 2 ms a token
+    # an interactive prompt is not held to it: its first token matters more
+    prompt = seq_of(300, Priority.INTERACTIVE, start=500, arrival=200.0)
+    sched.add(prompt)
+    step = dict(run_step(sched))
+    assert step[prompt] == 300
+
+
+def test_while_an_urgent_prompt_is_prefilled_batch_rows_only_fill_what_its_objective_leaves():
+    cost = FrozenCost(fixed=0.010, per_row=0.005, per_token=0.001)
+    sched = timed(cost)
+    batch = decoding(sched, 20, Priority.BATCH, start=0)
+    prompt = seq_of(60, Priority.INTERACTIVE, start=500, arrival=200.0)
+    sched.add(prompt)
+    step = dict(run_step(sched))
+    # 10 ms fixed + 60 ms prefill: 30 ms left of its 100 ms objective, i.e. 6 batch rows
+    assert step[prompt] == 60 and sum(1 for s in batch if s in step) == 6
+    assert cost.predict(6, 60) == pytest.approx(0.100)
+
+
+def test_standard_rows_keep_their_own_looser_objective_beside_batch():
+    cost = FrozenCost(fixed=0.0, per_row=0.010, per_token=0.001)
+    sched = timed(cost)
+    batch = decoding(sched, 30, Priority.BATCH, start=100)
+    standard = decoding(sched, 5, Priority.STANDARD, start=0)
+    step = dict(run_step(sched))
+    assert all(s in step for s in standard) and sum(1 for s in batch if s in step) == 15  # 20 rows = 200 ms
+
+
+def test_several_batch_prompts_share_one_allowance_per_step():
+    cost = FrozenCost(fixed=0.010, per_row=0.004, per_token=0.002)
+    sched = timed(cost, block_size=4)
+    prompts = [seq_of(40, Priority.BATCH, start=100 * i, arrival=float(i)) for i in range(5)]
+    for seq in prompts:
+        sched.add(seq)
+    step = run_step(sched)
+    assert sum(n for _, n in step) == 50  # 100 ms of prefill at 2 ms a token, across them

@@ -12,6 +12,7 @@ import pytest
 from edge_engine import EngineOverloadedError, InvalidRequestError, OpenAIServing, SamplingParams
 from edge_engine.server import create_app
 from tests.edge_engine.conftest import make_engine
+from tests.edge_engine.costs import freeze
 
 CHAT = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 8, "temperature": 0}
 
@@ -198,8 +199,33 @@ def test_the_early_refusal_bound_is_sound_and_not_over_eager(serving, tiny_engin
     assert info.value.code == "context_length_exceeded" and tokenizer_calls == ["encode"]
 
 
+async def test_a_request_that_cannot_start_in_its_budget_is_refused_at_once_with_503(tiny_gguf):
+    engine = make_engine(tiny_gguf, max_num_seqs=1, max_pending_outputs=1)
+    freeze(engine, fixed=0.01)  # every step is believed to take 10 ms
+    app = create_app(engine, "tiny")
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        await engine.start()
+        try:
+            # the only batch slot, held by a stream nobody reads, with 199 tokens (~2 s) to go
+            blocker = engine.generate("Hello", SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+            await blocker.__anext__()
+            for stream in (False, True):
+                r = await client.post("/v1/chat/completions", json={**CHAT, "stream": stream}, headers={"x-latency-budget-ms": "1000"})
+                assert r.status_code == 503 and r.headers["retry-after"] in ("2", "3"), r.text  # ~2 s to wait
+                assert r.json()["error"]["code"] == "deadline_unattainable"
+            assert engine.stats().num_refused == 2 and engine.stats().num_deadline_drops == 0
+            # a budget the slot's wait fits in is admitted (and waits its turn)
+            admitted = asyncio.create_task(client.post("/v1/chat/completions", json=CHAT, headers={"x-latency-budget-ms": "60000"}))
+            await blocker.aclose()
+            r = await asyncio.wait_for(admitted, 30)
+            assert r.status_code == 200, r.text
+        finally:
+            await engine.close()
+
+
 async def test_a_deadline_that_passes_in_the_queue_is_504(tiny_gguf):
     engine = make_engine(tiny_gguf, max_num_seqs=1, max_pending_outputs=1)
+    freeze(engine)  # admission believes steps are free: it admits, and the node is slower than that
     app = create_app(engine, "tiny")
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
         await engine.start()

@@ -32,6 +32,8 @@ def test_every_engine_error_class_is_mapped():
 EXAMPLES = [
     pytest.param(InvalidRequestError("max_tokens is too large", param="max_tokens", code="context_length_exceeded"), 400, id="invalid"),
     pytest.param(EngineOverloadedError("the queue is full", retry_after=3), 503, id="overloaded"),
+    pytest.param(EngineOverloadedError("first token predicted late", retry_after=2, code="deadline_unattainable"), 503, id="unattainable-ttft"),
+    pytest.param(EngineOverloadedError("tokens predicted too far apart", retry_after=1, code="tpot_unattainable"), 503, id="unattainable-tpot"),
     pytest.param(DeadlineExceededError(), 504, id="deadline"),
     pytest.param(EngineClosedError(), 503, id="closed"),
     pytest.param(EngineError("a step raised", code="engine_failure"), 502, id="internal"),

@@ -14,6 +14,7 @@ from gateway.admission import gate
 from gateway.pipeline import dispatch
 from gateway.pipeline.caching import CacheLayer
 from tests.conftest import cluster
+from tests.edge_engine.costs import freeze
 
 EDGE = {"enabled": True, "name": "tiny", "num_kv_blocks": 64, "block_size": 4, "max_num_batched_tokens": 64, "max_num_seqs": 4}
 ASKS = [
@@ -124,23 +125,62 @@ def test_a_huge_prompt_does_not_stall_the_event_loop(gateways, tiny_model, monke
     assert all(gw.thread.name not in threads_seen for threads_seen in ran_on.values()), ran_on
 
 
-def test_a_request_whose_budget_passes_in_the_engines_queue_is_dropped_there_unrun(gateways, tiny_model):
-    """The gateway lets four requests into an engine that runs one at a time: behind two long
-    streams, a third request waits inside the engine, which drops it when the budget it was
-    handed passes (504 ``deadline_exceeded``, counted by the engine); the streams are unharmed."""
-    edge = {**EDGE, "model": tiny_model, "max_num_seqs": 1, "max_concurrency": 4, "dtype": "float32"}
-    gw = gateways({"edge": edge})
+@pytest.mark.parametrize("central", [pytest.param(False, id="edge-alone"), pytest.param(True, id="with-central")])
+def test_a_request_the_engine_cannot_start_in_its_budget_is_refused_at_once_or_escalated(upstreams, gateways, tiny_model, central):
+    """The gateway lets requests into an engine that runs one at a time: behind a long
+    stream, the engine predicts (from its measured steps) that a request with a short
+    budget cannot start in time and refuses it at once, before it is queued: 503
+    ``deadline_unattainable`` with Retry-After when the engine is the only target, or
+    served by the central fallback; the stream is unharmed."""
+    edge = {**EDGE, "model": tiny_model, "max_num_seqs": 1, "max_concurrency": 4, "dtype": "float32", "num_kv_blocks": 256}
+    config = {"edge": edge}
+    if central:
+        fake = upstreams()
+        config["clusters"] = [cluster(fake, models=("central-model",))]
+        config["routing"] = {"policy": {"central_model": "central-model"}, "hedging": {"enabled": False}}
+    gw = gateways(config)
     url = gw.url + "/v1/chat/completions"
-    long = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200, "ignore_eos": True, "stream": True}
-    patient = {"x-latency-budget-ms": "60000"}
-    with httpx.Client(timeout=60) as client, client.stream("POST", url, json=long, headers=patient) as first:
+    # 400 tokens to go (the tiny model's context is 512): its steps take more than 50 ms in all
+    long = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as client, client.stream("POST", url, json=long, headers={"x-latency-budget-ms": "60000"}) as first:
         lines = first.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))  # the engine is busy with it
-        with httpx.Client(timeout=60) as other, other.stream("POST", url, json=long, headers=patient) as second:
-            late = client.post(url, json={**long, "stream": False, "max_tokens": 4}, headers={"x-latency-budget-ms": "200"})
-            tails = [[line for line in stream if line.startswith("data: ")][-2:] for stream in (lines, second.iter_lines())]
-    assert late.status_code == 504, late.text
-    assert late.json()["error"]["code"] == "deadline_exceeded"
-    assert gw.state.fleet.edge.engine.stats().num_deadline_drops == 1
-    for tail in tails:  # all 200 tokens of each stream, then [DONE]: the drop touched neither
-        assert '"finish_reason":"length"' in tail[0] and tail[1] == "data: [DONE]"
+        ask = {**long, "model": "auto" if central else "tiny", "stream": False, "max_tokens": 4}
+        late = client.post(url, json=ask, headers={"x-latency-budget-ms": "50"})
+        tail = [line for line in lines if line.startswith("data: ")][-2:]
+    engine = gw.state.fleet.edge.engine
+    if central:
+        assert late.status_code == 200, late.text
+        assert "served-by=central@" in late.headers["x-edgegw-route"] and fake.requests[-1].body["model"] == "central-model"
+    else:
+        assert late.status_code == 503, late.text
+        assert late.json()["error"]["code"] == "deadline_unattainable" and int(late.headers["retry-after"]) >= 1
+    assert engine.stats().num_refused == 1 and engine.stats().num_deadline_drops == 0
+    assert '"finish_reason":"length"' in tail[0] and tail[1] == "data: [DONE]"  # all 400 tokens, then [DONE]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_a_request_whose_budget_passes_in_the_engines_queue_is_dropped_there_unrun(gateways, tiny_model, stream):
+    """Admitted by an engine that believes its steps are free (the node turned out slower
+    than measured), a request waits inside the engine behind a long stream holding its only
+    batch slot; the engine drops it when the budget it was handed passes: 504
+    ``deadline_exceeded`` (a stream from the in-process engine has its head out already: the
+    same error as its one event); the long stream is unharmed."""
+    edge = {**EDGE, "model": tiny_model, "max_num_seqs": 1, "max_concurrency": 4, "dtype": "float32", "num_kv_blocks": 256}
+    gw = gateways({"edge": edge})
+    engine = gw.state.fleet.edge.engine
+    freeze(engine)
+    url = gw.url + "/v1/chat/completions"
+    long = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 450, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as client, client.stream("POST", url, json=long, headers={"x-latency-budget-ms": "60000"}) as first:
+        lines = first.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))  # the engine is busy with it
+        late = client.post(url, json={**long, "stream": stream, "max_tokens": 4}, headers={"x-latency-budget-ms": "100"})
+        tail = [line for line in lines if line.startswith("data: ")][-2:]
+    if stream:
+        assert late.status_code == 200 and '"code":"deadline_exceeded"' in late.text.replace(" ", ""), late.text
+    else:
+        assert late.status_code == 504, late.text
+        assert late.json()["error"]["code"] == "deadline_exceeded"
+    assert engine.stats().num_deadline_drops == 1
+    assert '"finish_reason":"length"' in tail[0] and tail[1] == "data: [DONE]"
