@@ -18,7 +18,7 @@ MEMBERS = sorted(
 
 
 def test_the_interface_is_what_the_pipeline_asks_of_the_engine():
-    assert MEMBERS == ["aclose", "check", "gauges", "is_running", "model_name", "reply", "snapshot", "stats"]
+    assert MEMBERS == ["aclose", "check", "gauges", "is_running", "model_name", "reply", "snapshot", "stats", "structured_output"]
 
 
 @pytest.mark.parametrize("backend", [EdgeBackend, EdgeClient], ids=["in-process", "engine-process"])
