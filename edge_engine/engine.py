@@ -48,6 +48,8 @@ from .errors import (
     EngineOverloadedError,
     InvalidRequestError,
 )
+from .grammar import GrammarCompiler
+from .grammar import available as grammar_available
 from .kv_cache import available_memory_bytes, kv_bytes_per_block
 from .loader import load_model
 from .runner import ModelRunner, resolve_dtypes
@@ -87,6 +89,7 @@ class EngineStats:
     num_preemptions: int
     num_step_failures: int
     num_deadline_drops: int  # waiting requests dropped unstarted because their deadline passed
+    structured_output: bool = False  # it can hold outputs to a JSON schema or tool calls (a grammar library)
 
     def as_dict(self) -> dict:
         # the fields are plain values: no need for asdict's recursive copy (a node's workers
@@ -176,6 +179,8 @@ class Engine:
             max_pending_outputs=config.max_pending_outputs,
         )
         self._eos_ids = set(self.tokenizer.eos_token_ids)
+        # constrained decoding (response_format, tools): None where llguidance is missing
+        self.grammar = GrammarCompiler(self.tokenizer, self.model_config.vocab_size) if grammar_available() else None
         _ = self.tokenizer.max_token_chars  # computed once, now rather than on the first request
         # inbox, filled by the event loop, drained by the step thread
         self._cond = threading.Condition()
@@ -351,6 +356,8 @@ class Engine:
         seq.generator = torch.Generator(device=self.device)
         seq.generator.manual_seed(params.seed if params.seed is not None else random.getrandbits(63))
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids)
+        if params.grammar is not None:
+            seq.constraint = params.grammar.matcher()
         seq.sink = (loop or asyncio.get_running_loop(), queue if queue is not None else asyncio.Queue())
         self._start_thread()
         with self._cond:
@@ -504,7 +511,11 @@ class Engine:
         seq.last_token_time = now
         finish: str | None = None
         can_stop = seq.num_output_tokens > params.min_tokens
-        if can_stop and ((token in self._eos_ids and not params.ignore_eos) or token in params.stop_token_ids):
+        # a grammar ends the output itself: its end of sequence, or a token after which nothing may follow
+        grammar_done = seq.constraint is not None and seq.constraint.advance(token)
+        if (grammar_done and token in self._eos_ids) or (
+            can_stop and ((token in self._eos_ids and not params.ignore_eos) or token in params.stop_token_ids)
+        ):
             finish = "stop"
             seq.output_text += seq.detokenizer.flush()
         else:
@@ -516,6 +527,9 @@ class Engine:
                 if hits:
                     seq.output_text = seq.output_text[: min(hits)]
                     finish = "stop"
+            if finish is None and grammar_done:
+                finish = "stop"
+                seq.output_text += seq.detokenizer.flush()
         if finish is None and (seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len):
             finish = "length"
             seq.output_text += seq.detokenizer.flush()
@@ -583,6 +597,7 @@ class Engine:
             num_preemptions=self.scheduler.num_preemptions,
             num_step_failures=self.num_step_failures,
             num_deadline_drops=self.num_deadline_drops,
+            structured_output=self.grammar is not None,
         )
 
     def __repr__(self) -> str:

@@ -33,6 +33,8 @@ from .errors import InvalidRequestError
 from .openai_fields import check_request
 from .sampling import SampleResult, SamplingParams
 from .sequence import Delta, Priority, StageTimes
+from .structured import StructuredPlan, plan, render_tool_calls, tools_system_prompt
+from .tool_calls import ToolCallParser
 
 __all__ = ["OpenAIServing", "PreparedRequest"]
 
@@ -49,6 +51,7 @@ class PreparedRequest:
     deadline: float | None = None  # time.monotonic(): dropped with DeadlineExceededError if not started by then
     extra: dict = field(default_factory=dict)
     times: StageTimes | None = None  # set when the answer has ended: the engine's stages
+    structured: StructuredPlan | None = None  # chat: response_format / tools, when asked
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -89,8 +92,10 @@ class OpenAIServing:
             raise _bad("the request body must be a JSON object", "body", "invalid_type")
         if not checked:
             check_request(kind, body)
+        structured = None
         if kind == "chat":
-            prompt_ids, prompt_param = self._chat_prompt(body), "messages"
+            structured = plan(body)
+            prompt_ids, prompt_param = self._chat_prompt(body, structured), "messages"
         else:
             prompt_ids, prompt_param = self._completion_prompt(body), "prompt"
 
@@ -150,6 +155,8 @@ class OpenAIServing:
         )
         params.max_tokens = max_tokens
         self.engine.check_capacity()
+        if structured is not None and structured.is_constrained:
+            params.grammar = self._grammar(structured)
         return PreparedRequest(
             kind=kind,
             prompt_token_ids=prompt_ids,
@@ -159,9 +166,24 @@ class OpenAIServing:
             priority=priority,
             completion_logprobs=completion_logprobs,
             deadline=deadline,
+            structured=structured,
         )
 
-    def _chat_prompt(self, body: dict) -> list[int]:
+    def _grammar(self, structured: StructuredPlan):
+        """The compiled grammar of ``structured``; a schema that does not compile is a 400
+        naming its place (``response_format.json_schema.schema``, ``tools.[i].function.parameters``)."""
+        compiler = self.engine.grammar
+        if compiler is None:
+            param = "tools" if structured.uses_tools else "response_format"
+            raise _bad(f"{param} needs constrained decoding, which this engine lacks (install llguidance)", param, "unsupported")
+        try:
+            return compiler.compile(structured.grammar(), "tools" if structured.uses_tools else "response_format")
+        except InvalidRequestError:
+            for param, text in structured.part_grammars():
+                compiler.compile(text, param)  # raises, naming the part at fault
+            raise
+
+    def _chat_prompt(self, body: dict, structured: StructuredPlan | None = None) -> list[int]:
         rendered: list[dict] = []
         for i, message in enumerate(body["messages"]):  # well-formed: check_request saw them
             param = f"messages.[{i}]"
@@ -179,7 +201,19 @@ class OpenAIServing:
                         raise _bad(f"{where} is a {part['type']} part; this model reads text only", where, "unsupported")
                     parts.append(part["text"])
                 content = "".join(parts)
+            if role == "assistant" and message.get("tool_calls"):
+                if not isinstance(message["tool_calls"], list):
+                    raise _bad(f"{param}.tool_calls must be an array", f"{param}.tool_calls", "invalid_type")
+                content += render_tool_calls(message["tool_calls"], param)
+            elif role == "tool":  # a tool's result, as SmolLM2's format gives it back
+                role, content = "user", f"<tool_response>\n{content}\n</tool_response>"
             rendered.append({"role": "system" if role == "developer" else role, "content": content})
+        if structured is not None and structured.uses_tools:
+            tools_prompt = tools_system_prompt(structured)
+            if rendered and rendered[0]["role"] == "system":
+                rendered[0] = {"role": "system", "content": tools_prompt + "\n\n" + rendered[0]["content"]}
+            else:
+                rendered.insert(0, {"role": "system", "content": tools_prompt})
         self.engine.check_prompt_chars(sum(len(m["content"]) for m in rendered), "messages")
         try:
             return self.tokenizer.encode_chat(rendered, add_generation_prompt=True)
@@ -257,12 +291,18 @@ class OpenAIServing:
         first = True
         text_offset = 0
         last: Delta | None = None
+        structured = prepared.structured
+        parser = ToolCallParser(structured) if structured is not None and structured.uses_tools else None
         async with contextlib.aclosing(self._generate(prepared, request_id)) as deltas:
             async for delta in deltas:
                 last = delta
-                if not delta.text and not delta.logprobs and delta.finish_reason is None and not (first and is_chat):
+                if parser is not None:
+                    choice = self._tool_choice_chunk(parser, delta, first)
+                    if choice is None:
+                        continue
+                elif not delta.text and not delta.logprobs and delta.finish_reason is None and not (first and is_chat):
                     continue
-                if is_chat:
+                elif is_chat:
                     message: dict = {"role": "assistant", "content": delta.text} if first else {}
                     if not first and delta.text:
                         message["content"] = delta.text
@@ -304,6 +344,32 @@ class OpenAIServing:
                 }
             )
 
+    def _tool_choice_chunk(self, parser: ToolCallParser, delta: Delta, first: bool) -> dict | None:
+        """A chat chunk's choice when tools may be called: content and ``tool_calls``
+        entries as the parser finds them; None when this delta adds nothing to show yet
+        (text held back as a possible ``<tool_call>``: the role chunk waits for it too)."""
+        parsed = parser.feed(delta.text)
+        if delta.finish_reason is not None:
+            parsed.content += parser.finish().content
+        message: dict = {}
+        if parsed.content:
+            message["content"] = parsed.content
+        if parsed.tool_calls:
+            message["tool_calls"] = parsed.tool_calls
+        if not message and not delta.logprobs and delta.finish_reason is None:
+            return None
+        if first:
+            message = {"role": "assistant", "content": message.pop("content", None), **message}
+        finish = delta.finish_reason
+        if finish == "stop" and parser.calls:
+            finish = "tool_calls"
+        return {
+            "index": 0,
+            "delta": message,
+            "logprobs": self._chat_logprobs(delta.logprobs) if delta.logprobs else None,
+            "finish_reason": finish,
+        }
+
     async def complete(self, prepared: PreparedRequest, request_id: str) -> bytes:
         """The whole non-streaming response (chat.completion / text_completion) with usage."""
         created = int(time.time())
@@ -320,6 +386,16 @@ class OpenAIServing:
         text = "".join(texts)
         finish = last.finish_reason if last else "stop"
         if prepared.kind == "chat":
+            message: dict = {"role": "assistant", "content": text}
+            structured = prepared.structured
+            if structured is not None and structured.uses_tools:
+                parser = ToolCallParser(structured)
+                parser.feed(text)
+                parser.finish()
+                if parser.calls:
+                    message = {"role": "assistant", "content": parser.content or None, "tool_calls": parser.calls}
+                    if finish == "stop":
+                        finish = "tool_calls"
             body = {
                 "id": request_id,
                 "object": "chat.completion",
@@ -328,7 +404,7 @@ class OpenAIServing:
                 "choices": [
                     {
                         "index": 0,
-                        "message": {"role": "assistant", "content": text},
+                        "message": message,
                         "logprobs": self._chat_logprobs(logprobs) if prepared.params.logprobs else None,
                         "finish_reason": finish,
                     }
