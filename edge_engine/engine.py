@@ -181,6 +181,7 @@ class Engine:
         self._eos_ids = set(self.tokenizer.eos_token_ids)
         # constrained decoding (response_format, tools): None where llguidance is missing
         self.grammar = GrammarCompiler(self.tokenizer, self.model_config.vocab_size) if grammar_available() else None
+        self.jump_forward = True  # append the tokens a grammar forces without sampling them (bench/grammar.py turns it off to compare)
         _ = self.tokenizer.max_token_chars  # computed once, now rather than on the first request
         # inbox, filled by the event loop, drained by the step thread
         self._cond = threading.Condition()
@@ -530,6 +531,9 @@ class Engine:
             if finish is None and grammar_done:
                 finish = "stop"
                 seq.output_text += seq.detokenizer.flush()
+        token_ids = [token]
+        if finish is None and seq.constraint is not None and self.jump_forward and not params.logprobs and not params.stop:
+            finish = self._jump_forward(seq, token_ids)
         if finish is None and (seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len):
             finish = "length"
             seq.output_text += seq.detokenizer.flush()
@@ -549,7 +553,7 @@ class Engine:
         return Delta(
             request_id=seq.request_id,
             text=text,
-            token_ids=[token],
+            token_ids=token_ids,
             finish_reason=finish,
             logprobs=[result] if params.logprobs else None,
             num_prompt_tokens=seq.num_prompt_tokens,
@@ -557,6 +561,26 @@ class Engine:
             num_cached_tokens=seq.num_cached_tokens,
             times=StageTimes.of(seq, now) if finish is not None else None,
         )
+
+    def _jump_forward(self, seq: Sequence, token_ids: list[int]) -> str | None:
+        """Append the tokens ``seq``'s grammar forces next (a tool call's header, a schema's
+        keys and punctuation) without sampling them: the next step computes their KV as one
+        chunk, as a prefill does, and samples after them -- one step instead of one per
+        token. Returns "stop" when they complete the grammar. Not with logprobs (forced
+        tokens have none) nor stop strings (checked token by token)."""
+        room = min(seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
+        for token in seq.constraint.forced_tokens()[: max(0, room)]:
+            seq.token_ids.append(token)
+            token_ids.append(token)
+            if token in self._eos_ids:
+                seq.constraint.advance(token)
+                seq.output_text += seq.detokenizer.flush()
+                return "stop"
+            seq.output_text += seq.detokenizer.add(token)
+            if seq.constraint.advance(token):
+                seq.output_text += seq.detokenizer.flush()
+                return "stop"
+        return None
 
     def _deliver(self, events: list[tuple[Sequence, object]]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}

@@ -73,6 +73,10 @@ class Matcher:
             raise RuntimeError(f"the grammar refused token {token}: {self._m.get_error()}")
         return self._m.is_stopped()
 
+    def forced_tokens(self) -> list[int]:
+        """The tokens the grammar allows and no other, next (what may be appended unsampled)."""
+        return self._m.compute_ff_tokens()
+
     @property
     def is_accepting(self) -> bool:
         return self._m.is_accepting()

@@ -296,11 +296,15 @@ class OpenAIServing:
         async with contextlib.aclosing(self._generate(prepared, request_id)) as deltas:
             async for delta in deltas:
                 last = delta
-                if parser is not None:
-                    choice = self._tool_choice_chunk(parser, delta, first)
-                    if choice is None:
-                        continue
-                elif not delta.text and not delta.logprobs and delta.finish_reason is None and not (first and is_chat):
+                if parser is not None:  # tools: content and tool_calls as the parser finds them
+                    for choice in self._tool_choice_chunks(parser, delta, first):
+                        first = False
+                        yield orjson.dumps(
+                            {"id": request_id, "object": obj, "created": created, "model": self.model_name,
+                             "choices": [choice], **usage_field}
+                        )
+                    continue
+                if not delta.text and not delta.logprobs and delta.finish_reason is None and not (first and is_chat):
                     continue
                 elif is_chat:
                     message: dict = {"role": "assistant", "content": delta.text} if first else {}
@@ -344,31 +348,32 @@ class OpenAIServing:
                 }
             )
 
-    def _tool_choice_chunk(self, parser: ToolCallParser, delta: Delta, first: bool) -> dict | None:
-        """A chat chunk's choice when tools may be called: content and ``tool_calls``
-        entries as the parser finds them; None when this delta adds nothing to show yet
-        (text held back as a possible ``<tool_call>``: the role chunk waits for it too)."""
+    def _tool_choice_chunks(self, parser: ToolCallParser, delta: Delta, first: bool) -> list[dict]:
+        """A chat stream's choices for one delta when tools may be called, in OpenAI's
+        shapes: content as it comes; for each call a first chunk with its ``id``, ``type``,
+        ``function.name`` and empty ``arguments``, then ``arguments`` fragments (one chunk per
+        entry, as OpenAI streams them). Nothing yet while the text may still be the start
+        of ``<tool_call>`` (the role chunk waits too)."""
         parsed = parser.feed(delta.text)
         if delta.finish_reason is not None:
             parsed.content += parser.finish().content
-        message: dict = {}
+        messages: list[dict] = []
         if parsed.content:
-            message["content"] = parsed.content
-        if parsed.tool_calls:
-            message["tool_calls"] = parsed.tool_calls
-        if not message and not delta.logprobs and delta.finish_reason is None:
-            return None
-        if first:
-            message = {"role": "assistant", "content": message.pop("content", None), **message}
+            messages.append({"content": parsed.content})
+        messages += [{"tool_calls": [entry]} for entry in parsed.tool_calls]
+        if not messages and (delta.logprobs or delta.finish_reason is not None):
+            messages.append({})
+        if first and messages:
+            messages[0] = {"role": "assistant", "content": messages[0].pop("content", None), **messages[0]}
         finish = delta.finish_reason
         if finish == "stop" and parser.calls:
             finish = "tool_calls"
-        return {
-            "index": 0,
-            "delta": message,
-            "logprobs": self._chat_logprobs(delta.logprobs) if delta.logprobs else None,
-            "finish_reason": finish,
-        }
+        logprobs = self._chat_logprobs(delta.logprobs) if delta.logprobs else None
+        return [
+            {"index": 0, "delta": message, "logprobs": logprobs if i == 0 else None,
+             "finish_reason": finish if i == len(messages) - 1 else None}
+            for i, message in enumerate(messages)
+        ]
 
     async def complete(self, prepared: PreparedRequest, request_id: str) -> bytes:
         """The whole non-streaming response (chat.completion / text_completion) with usage."""

@@ -181,7 +181,7 @@ class ToolCallParser:
     def _emit_arguments(self, out: ParsedDelta, piece: str) -> None:
         index = len(self.calls) - 1
         last = out.tool_calls[-1] if out.tool_calls else None
-        if last is not None and last["index"] == index:
+        if last is not None and last["index"] == index and "id" not in last:  # a call's first entry keeps arguments ""
             last["function"]["arguments"] += piece
         else:
             out.tool_calls.append({"index": index, "function": {"arguments": piece}})

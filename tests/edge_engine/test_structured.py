@@ -456,3 +456,24 @@ async def test_the_server_answers_the_openai_sdk_with_tool_calls_and_json(engine
             )
         assert info.value.status_code == 400
         assert info.value.body["param"] == "response_format.json_schema.schema" and info.value.body["type"] == "invalid_request_error"
+
+
+# -- forced tokens -----------------------------------------------------------------------
+async def test_tokens_the_grammar_forces_are_appended_without_a_step_each(engine, serving):
+    schema = SCHEMAS[5].values[0]  # nested objects: keys and punctuation are forced
+    body = {"messages": ASK, "max_tokens": 200, "temperature": 0, "response_format": json_schema_format(schema)}
+
+    async def deltas(**extra):
+        prepared = serving.prepare("chat", {**body, **extra})
+        return [d async for d in engine.generate(prepared.prompt_token_ids, prepared.params)]
+
+    jumped = await deltas()
+    assert max(len(d.token_ids) for d in jumped) > 1 and len(jumped) < jumped[-1].num_output_tokens
+    jsonschema.validate(json.loads("".join(d.text for d in jumped)), schema)
+    with_logprobs = await deltas(logprobs=True)  # forced tokens have no logprob: one token a step
+    assert all(len(d.token_ids) == 1 for d in with_logprobs) and all(len(d.logprobs) == 1 for d in with_logprobs)
+    jsonschema.validate(json.loads("".join(d.text for d in with_logprobs)), schema)
+    engine.jump_forward = False
+    stepped = await deltas()
+    assert all(len(d.token_ids) == 1 for d in stepped)
+    assert [t for d in stepped for t in d.token_ids] == [t for d in with_logprobs for t in d.token_ids]
