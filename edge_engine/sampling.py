@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from .errors import InvalidRequestError
@@ -122,18 +123,26 @@ def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Te
 
     logits: [N, V] float32; rows: the n rows to mask; bitmask: [n, W] int32 (CPU), bit
     ``t % 32`` of word ``t // 32`` set when token ``t`` is allowed (W = ceil(V / 32)).
+
+    On the CPU this is numpy, on one thread: a row is 49,152 elements, above torch's grain
+    for splitting an op across its threads, and a parallel region on a busy machine waits
+    for its slowest thread -- measured here at 50-260 ms a call instead of ~50 us.
     """
     vocab = logits.shape[-1]
+    if logits.device.type == "cpu" and logits.is_contiguous() and logits.dtype == torch.float32:
+        # little-endian int32 words are bytes in token order, each byte's bits low first
+        allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, bitorder="little")[:, :vocab]  # [n, V]
+        view = logits.numpy()
+        for j, r in enumerate(rows):
+            np.putmask(view[r], allowed[j] == 0, -np.inf)
+        return
     shifts = _BIT_SHIFTS.get(logits.device)
     if shifts is None:
         shifts = _BIT_SHIFTS[logits.device] = torch.arange(32, dtype=torch.int32, device=logits.device)
     words = bitmask.to(logits.device, non_blocking=True)
-    allowed = ((words.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1)[:, :vocab].bool()  # [n, V]
-    if len(rows) == logits.shape[0] and rows == list(range(len(rows))):
-        logits.masked_fill_(~allowed, float("-inf"))
-        return
+    mask = ((words.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1)[:, :vocab].bool()  # [n, V]
     index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    logits[index] = logits[index].masked_fill(~mask, float("-inf"))
 
 
 def sample(

@@ -13,7 +13,9 @@ Supported fields: ``messages`` (chat; string content or a list of ``text`` parts
 ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``,
 ``stop``, ``stop_token_ids``, ``min_tokens``, ``ignore_eos``, ``logprobs`` (+
 ``top_logprobs`` for chat; an integer for completions), ``n`` (1 only), ``stream``,
-``stream_options.include_usage`` and ``priority`` ("interactive" | "batch").
+``stream_options.include_usage`` and ``priority`` ("interactive" | "batch"); for chat,
+``response_format``, ``tools``, ``tool_choice`` and ``parallel_tool_calls`` (``structured.py``:
+the grammar and the tools prompt; ``tool_calls.py``: the answer's ``tool_calls``).
 ``presence_penalty`` / ``frequency_penalty`` are range-checked; only 0 is implemented.
 """
 

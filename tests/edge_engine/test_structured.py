@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from edge_engine import InvalidRequestError, OpenAIServing
+from edge_engine.sampling import apply_token_bitmask
 from edge_engine.server import create_app
 from tests.edge_engine.conftest import make_engine
 from tests.edge_engine.tiny import build_tiny_model
@@ -477,3 +478,19 @@ async def test_tokens_the_grammar_forces_are_appended_without_a_step_each(engine
     stepped = await deltas()
     assert all(len(d.token_ids) == 1 for d in stepped)
     assert [t for d in stepped for t in d.token_ids] == [t for d in with_logprobs for t in d.token_ids]
+
+
+def test_the_bitmask_masks_exactly_the_forbidden_tokens_on_either_path():
+    generator = torch.Generator().manual_seed(0)
+    vocab, rows = 1000, [0, 2]
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (2, -(-vocab // 32)), dtype=torch.int32, generator=generator)
+    logits = torch.randn(3, vocab, generator=generator)
+    wide = torch.randn(3, 2 * vocab, generator=generator)
+    wide[:, ::2] = logits
+    strided = wide[:, ::2]  # not contiguous: the torch path
+    apply_token_bitmask(logits, rows, bitmask)
+    apply_token_bitmask(strided, rows, bitmask)
+    for j, r in enumerate(rows):
+        allowed = [bool((int(bitmask[j, t // 32]) >> (t % 32)) & 1) for t in range(vocab)]
+        assert torch.isfinite(logits[r]).tolist() == allowed == torch.isfinite(strided[r]).tolist()
+    assert torch.isfinite(logits[1]).all() and torch.isfinite(strided[1]).all()  # an unconstrained row untouched
