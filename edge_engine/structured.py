@@ -11,7 +11,7 @@ The grammar (llguidance's Lark dialect, a JSON schema inside ``%json``):
 - ``json_object``: any JSON object; ``json_schema``: its ``schema``. An object schema that
   declares ``properties`` but not ``additionalProperties`` allows no other keys (xgrammar's
   and vLLM's default; with ``strict: true`` every object schema, as OpenAI's strict mode
-  requires). With ``strict: true`` a keyword the library does not implement is refused with
+  requires), and an integer without bounds stays within +-(2**53 - 1) (I-JSON). With ``strict: true`` a keyword the library does not implement is refused with
   400; without it, such a keyword is ignored (JSON Schema's own rule for unknown ones).
 - tools, in SmolLM2's function-calling format (its model card; its chat template has no
   tool support, so the tools go into the system prompt): the model answers
@@ -238,8 +238,9 @@ class StructuredPlan:
 
 
 def _compile_ready(schema: dict, strict: bool) -> dict:
-    """``schema`` with the layout options attached and undeclared keys refused by default."""
-    schema = _no_additional(schema, strict)
+    """``schema`` with the layout options attached, undeclared keys refused and integers
+    bounded by default."""
+    schema = _edge_defaults(schema, strict)
     options = {**JSON_OPTIONS, "lenient": not strict}
     return {**schema, "x-guidance": options}
 
@@ -249,27 +250,40 @@ _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")  # not allOf: its parts tog
 _SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames")
 
 
-def _no_additional(schema: Any, strict: bool, depth: int = 0) -> Any:
-    """A copy of ``schema`` whose object schemas that declare ``properties`` (with ``strict``:
-    all object schemas) default ``additionalProperties`` to false, as xgrammar's and vLLM's
-    default does and OpenAI's strict mode requires: a small model left free to add keys adds
-    them. Still valid against the schema; a schema that wants other keys says so."""
+SAFE_INTEGER = 2**53 - 1  # I-JSON (RFC 7493): the integers every JSON reader holds exactly
+
+
+def _edge_defaults(schema: Any, strict: bool, depth: int = 0) -> Any:
+    """A copy of ``schema`` with two defaults that keep a small model's output sane, both
+    still valid against the schema:
+
+    - object schemas that declare ``properties`` (with ``strict``: all object schemas)
+      default ``additionalProperties`` to false, as xgrammar's and vLLM's default does and
+      OpenAI's strict mode requires: a small model left free to add keys adds them;
+    - an integer without bounds is held to I-JSON's range, +-(2**53 - 1): SmolLM2 asked for
+      an integer it has no value for writes "12345678901234567890..." until max_tokens.
+    """
     if not isinstance(schema, dict) or depth > 64:
         return schema
     out = dict(schema)
+    if out.get("type") == "integer":
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = -SAFE_INTEGER
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = SAFE_INTEGER
     kind = out.get("type")
     is_object = "properties" in out or (strict and (kind == "object" or (isinstance(kind, list) and "object" in kind)))
     if is_object and "additionalProperties" not in out and "patternProperties" not in out:
         out["additionalProperties"] = False
     for key in _SUBSCHEMA_MAPS:
         if isinstance(out.get(key), dict):
-            out[key] = {k: _no_additional(v, strict, depth + 1) for k, v in out[key].items()}
+            out[key] = {k: _edge_defaults(v, strict, depth + 1) for k, v in out[key].items()}
     for key in _SUBSCHEMA_LISTS:
         if isinstance(out.get(key), list):
-            out[key] = [_no_additional(v, strict, depth + 1) for v in out[key]]
+            out[key] = [_edge_defaults(v, strict, depth + 1) for v in out[key]]
     for key in _SUBSCHEMAS:
         if isinstance(out.get(key), dict):
-            out[key] = _no_additional(out[key], strict, depth + 1)
+            out[key] = _edge_defaults(out[key], strict, depth + 1)
     return out
 
 

@@ -494,3 +494,13 @@ def test_the_bitmask_masks_exactly_the_forbidden_tokens_on_either_path():
         allowed = [bool((int(bitmask[j, t // 32]) >> (t % 32)) & 1) for t in range(vocab)]
         assert torch.isfinite(logits[r]).tolist() == allowed == torch.isfinite(strided[r]).tolist()
     assert torch.isfinite(logits[1]).all() and torch.isfinite(strided[1]).all()  # an unconstrained row untouched
+
+
+def test_an_unbounded_integer_stays_within_the_integers_every_json_reader_holds(engine, serving):
+    schema = {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}
+    compiled = serving._grammar(serving.prepare("chat", {"messages": ASK, "response_format": json_schema_format(schema)}).structured)
+    assert accepts(engine, compiled, '{"id": 9007199254740991}') and accepts(engine, compiled, '{"id": -9007199254740991}')
+    assert not accepts(engine, compiled, '{"id": 90071992547409910}')  # SmolLM2 writes digits until max_tokens
+    wide = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 10**20}}, "required": ["id"]}
+    compiled = serving._grammar(serving.prepare("chat", {"messages": ASK, "response_format": json_schema_format(wide)}).structured)
+    assert accepts(engine, compiled, '{"id": 90071992547409910}')  # the schema's own bounds stand
