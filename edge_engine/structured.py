@@ -11,7 +11,8 @@ The grammar (llguidance's Lark dialect, a JSON schema inside ``%json``):
 - ``json_object``: any JSON object; ``json_schema``: its ``schema``. An object schema that
   declares ``properties`` but not ``additionalProperties`` allows no other keys (xgrammar's
   and vLLM's default; with ``strict: true`` every object schema, as OpenAI's strict mode
-  requires), and an integer without bounds stays within +-(2**53 - 1) (I-JSON). With ``strict: true`` a keyword the library does not implement is refused with
+  requires); a number without bounds stays within +-(2**53 - 1) (I-JSON), with at most 6
+  decimals, and a free string without ``maxLength`` within 512 characters. With ``strict: true`` a keyword the library does not implement is refused with
   400; without it, such a keyword is ignored (JSON Schema's own rule for unknown ones).
 - tools, in SmolLM2's function-calling format (its model card; its chat template has no
   tool support, so the tools go into the system prompt): the model answers
@@ -251,6 +252,9 @@ _SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "co
 
 
 SAFE_INTEGER = 2**53 - 1  # I-JSON (RFC 7493): the integers every JSON reader holds exactly
+NUMBER_STEP = 1e-6  # a number without multipleOf: at most 6 decimals
+MAX_STRING_CHARS = 512  # a free string without maxLength: at most this many characters
+_FREE_STRING_KEYS = ("maxLength", "enum", "const", "pattern", "format")
 
 
 def _edge_defaults(schema: Any, strict: bool, depth: int = 0) -> Any:
@@ -260,17 +264,25 @@ def _edge_defaults(schema: Any, strict: bool, depth: int = 0) -> Any:
     - object schemas that declare ``properties`` (with ``strict``: all object schemas)
       default ``additionalProperties`` to false, as xgrammar's and vLLM's default does and
       OpenAI's strict mode requires: a small model left free to add keys adds them;
-    - an integer without bounds is held to I-JSON's range, +-(2**53 - 1): SmolLM2 asked for
-      an integer it has no value for writes "12345678901234567890..." until max_tokens.
+    - a number without bounds is held to I-JSON's range, +-(2**53 - 1), and without
+      ``multipleOf`` to 6 decimals; a free string without ``maxLength`` to
+      ``MAX_STRING_CHARS``: on the 50-schema bench SmolLM2 otherwise wrote
+      "12345678901234567890...", "1.000000..." or "1.1.1.1..." until max_tokens (6 of 50
+      answers cut short, invalid). A schema's own bounds stand.
     """
     if not isinstance(schema, dict) or depth > 64:
         return schema
     out = dict(schema)
-    if out.get("type") == "integer":
+    kind = out.get("type")
+    if kind in ("integer", "number"):
         if "minimum" not in out and "exclusiveMinimum" not in out:
             out["minimum"] = -SAFE_INTEGER
         if "maximum" not in out and "exclusiveMaximum" not in out:
             out["maximum"] = SAFE_INTEGER
+        if kind == "number" and "multipleOf" not in out:
+            out["multipleOf"] = NUMBER_STEP
+    elif kind == "string" and not any(key in out for key in _FREE_STRING_KEYS):
+        out["maxLength"] = MAX_STRING_CHARS
     kind = out.get("type")
     is_object = "properties" in out or (strict and (kind == "object" or (isinstance(kind, list) and "object" in kind)))
     if is_object and "additionalProperties" not in out and "patternProperties" not in out:
