@@ -496,7 +496,7 @@ def test_the_bitmask_masks_exactly_the_forbidden_tokens_on_either_path():
     assert torch.isfinite(logits[1]).all() and torch.isfinite(strided[1]).all()  # an unconstrained row untouched
 
 
-def test_an_unbounded_integer_stays_within_the_integers_every_json_reader_holds(engine, serving):
+def test_unbounded_numbers_and_free_strings_stay_within_sane_bounds(engine, serving):
     schema = {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}
     compiled = serving._grammar(serving.prepare("chat", {"messages": ASK, "response_format": json_schema_format(schema)}).structured)
     assert accepts(engine, compiled, '{"id": 9007199254740991}') and accepts(engine, compiled, '{"id": -9007199254740991}')
@@ -504,3 +504,11 @@ def test_an_unbounded_integer_stays_within_the_integers_every_json_reader_holds(
     wide = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 10**20}}, "required": ["id"]}
     compiled = serving._grammar(serving.prepare("chat", {"messages": ASK, "response_format": json_schema_format(wide)}).structured)
     assert accepts(engine, compiled, '{"id": 90071992547409910}')  # the schema's own bounds stand
+    free = {"type": "object", "properties": {"x": {"type": "number"}, "s": {"type": "string"}}, "required": ["x", "s"]}
+    compiled = serving._grammar(serving.prepare("chat", {"messages": ASK, "response_format": json_schema_format(free)}).structured)
+    assert accepts(engine, compiled, '{"x": -2.000001, "s": "' + "a" * 512 + '"}')
+    assert not accepts(engine, compiled, '{"x": 2.0000001, "s": "ok"}')  # "1.000000..." until max_tokens
+    assert not accepts(engine, compiled, '{"x": 2, "s": "' + "a" * 513 + '"}')  # "1.1.1.1..." until max_tokens
+    long = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 600}}, "required": ["s"]}
+    compiled = serving._grammar(serving.prepare("chat", {"messages": ASK, "response_format": json_schema_format(long)}).structured)
+    assert accepts(engine, compiled, '{"s": "' + "a" * 600 + '"}')
