@@ -2,7 +2,7 @@
 complexity) through the engine on SmolLM2, constrained, against the same prompts without a
 constraint, in one run.
 
-    .venv/bin/python bench/grammar.py [--schemas 50] [--dtype auto] [--max-tokens 768] [--step-every 5] [--json OUT]
+    .venv/bin/python bench/grammar.py [--schemas 50] [--dtype auto] [--max-tokens 2048] [--step-every 5] [--json OUT]
 
 For each schema, one request at a time (greedy):
 
@@ -177,7 +177,7 @@ def main() -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--schemas", type=int, default=50)
-    p.add_argument("--max-tokens", type=int, default=768)
+    p.add_argument("--max-tokens", type=int, default=2048)
     p.add_argument("--step-every", type=int, default=5, help="also run every N-th schema with jump-forward off")
     p.add_argument("--json", default=None)
     args = p.parse_args()
