@@ -58,6 +58,8 @@ from .errors import (
     EngineOverloadedError,
     InvalidRequestError,
 )
+from .grammar import GrammarCompiler
+from .grammar import available as grammar_available
 from .kv_cache import available_memory_bytes, kv_bytes_per_block
 from .loader import load_model
 from .runner import ModelRunner, resolve_dtypes
@@ -105,6 +107,7 @@ class EngineStats:
     step_fixed_ms: float  # the step cost model: fixed cost per step
     step_per_row_ms: float  # per decode row
     step_per_token_ms: float  # per prefill token
+    structured_output: bool = False  # it can hold outputs to a JSON schema or tool calls (a grammar library)
 
     def as_dict(self) -> dict:
         # the fields are plain values: no need for asdict's recursive copy (a node's workers
@@ -204,6 +207,9 @@ class Engine:
             cost=self.cost,
         )
         self._eos_ids = set(self.tokenizer.eos_token_ids)
+        # constrained decoding (response_format, tools): None where llguidance is missing
+        self.grammar = GrammarCompiler(self.tokenizer, self.model_config.vocab_size) if grammar_available() else None
+        self.jump_forward = True  # append the tokens a grammar forces without sampling them (bench/grammar.py turns it off to compare)
         _ = self.tokenizer.max_token_chars  # computed once, now rather than on the first request
         # the scheduler's state: held by the step thread except while the model runs, and by
         # the watchdog; taken before the inbox's lock when both are needed
@@ -441,6 +447,8 @@ class Engine:
         seq.generator = torch.Generator(device=self.device)
         seq.generator.manual_seed(params.seed if params.seed is not None else random.getrandbits(63))
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids)
+        if params.grammar is not None:
+            seq.constraint = params.grammar.matcher()
         seq.sink = (loop or asyncio.get_running_loop(), queue if queue is not None else asyncio.Queue())
         self._start_thread()
         with self._cond:
@@ -663,7 +671,11 @@ class Engine:
         seq.last_token_time = now
         finish: str | None = None
         can_stop = seq.num_output_tokens > params.min_tokens
-        if can_stop and ((token in self._eos_ids and not params.ignore_eos) or token in params.stop_token_ids):
+        # a grammar ends the output itself: its end of sequence, or a token after which nothing may follow
+        grammar_done = seq.constraint is not None and seq.constraint.advance(token)
+        if (grammar_done and token in self._eos_ids) or (
+            can_stop and ((token in self._eos_ids and not params.ignore_eos) or token in params.stop_token_ids)
+        ):
             finish = "stop"
             seq.output_text += seq.detokenizer.flush()
         else:
@@ -675,6 +687,12 @@ class Engine:
                 if hits:
                     seq.output_text = seq.output_text[: min(hits)]
                     finish = "stop"
+            if finish is None and grammar_done:
+                finish = "stop"
+                seq.output_text += seq.detokenizer.flush()
+        token_ids = [token]
+        if finish is None and seq.constraint is not None and self.jump_forward and not params.logprobs and not params.stop:
+            finish = self._jump_forward(seq, token_ids)
         if finish is None and (seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len):
             finish = "length"
             seq.output_text += seq.detokenizer.flush()
@@ -694,7 +712,7 @@ class Engine:
         return Delta(
             request_id=seq.request_id,
             text=text,
-            token_ids=[token],
+            token_ids=token_ids,
             finish_reason=finish,
             logprobs=[result] if params.logprobs else None,
             num_prompt_tokens=seq.num_prompt_tokens,
@@ -702,6 +720,26 @@ class Engine:
             num_cached_tokens=seq.num_cached_tokens,
             times=StageTimes.of(seq, now) if finish is not None else None,
         )
+
+    def _jump_forward(self, seq: Sequence, token_ids: list[int]) -> str | None:
+        """Append the tokens ``seq``'s grammar forces next (a tool call's header, a schema's
+        keys and punctuation) without sampling them: the next step computes their KV as one
+        chunk, as a prefill does, and samples after them -- one step instead of one per
+        token. Returns "stop" when they complete the grammar. Not with logprobs (forced
+        tokens have none) nor stop strings (checked token by token)."""
+        room = min(seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
+        for token in seq.constraint.forced_tokens()[: max(0, room)]:
+            seq.token_ids.append(token)
+            token_ids.append(token)
+            if token in self._eos_ids:
+                seq.constraint.advance(token)
+                seq.output_text += seq.detokenizer.flush()
+                return "stop"
+            seq.output_text += seq.detokenizer.add(token)
+            if seq.constraint.advance(token):
+                seq.output_text += seq.detokenizer.flush()
+                return "stop"
+        return None
 
     def _deliver(self, events: list[tuple[Sequence, object]]) -> None:
         with self._sched_lock:
@@ -755,6 +793,7 @@ class Engine:
             step_fixed_ms=fixed * 1000,
             step_per_row_ms=per_row * 1000,
             step_per_token_ms=per_token * 1000,
+            structured_output=self.grammar is not None,
         )
 
     def __repr__(self) -> str:

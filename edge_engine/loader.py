@@ -26,7 +26,15 @@ from safetensors.torch import load_file
 from .config import ModelConfig
 from .tokenizer import Tokenizer
 
-__all__ = ["LoadedModel", "load_model", "load_gguf", "load_hf_dir", "permute_for_gguf", "unpermute_from_gguf"]
+__all__ = [
+    "LoadedModel",
+    "load_model",
+    "load_gguf",
+    "load_hf_dir",
+    "load_tokenizer",
+    "permute_for_gguf",
+    "unpermute_from_gguf",
+]
 
 
 @dataclass(slots=True)
@@ -44,6 +52,17 @@ def load_model(path: str) -> LoadedModel:
     if path.endswith(".gguf") or _is_gguf(path):
         return load_gguf(path)
     raise ValueError(f"model: {path!r} is neither a GGUF file nor a directory with config.json")
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    """The tokenizer of a model alone (GGUF metadata or the directory's tokenizer files),
+    without reading its weights: for tools that need the vocabulary, not the model."""
+    if os.path.isdir(path):
+        return Tokenizer.from_dir(path)
+    reader = gguf.GGUFReader(path)
+    return Tokenizer.from_gguf_metadata(
+        {name: _field_value(field) for name, field in reader.fields.items() if name.startswith("tokenizer.")}
+    )
 
 
 def _is_gguf(path: str) -> bool:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import InvalidRequestError
+from .structured import check_response_format, check_tool_choice, check_tools
 
 __all__ = ["MAX_DEPTH", "ROLES", "check_request"]
 
@@ -123,6 +124,8 @@ _CHAT: dict[str, Callable[[Any], None]] = {
     "response_format": _type("response_format", lambda v: isinstance(v, dict), "an object"),
     "parallel_tool_calls": _type("parallel_tool_calls", lambda v: isinstance(v, bool), "a boolean"),
 }
+# the shapes of structured output's fields (structured.py: also what they mean)
+_CHAT.update({"tools": check_tools, "tool_choice": check_tool_choice, "response_format": check_response_format})
 _COMPLETION: dict[str, Callable[[Any], None]] = {
     **_COMMON,
     "logprobs": _range("logprobs", 0, 5, integer=True),

@@ -19,7 +19,7 @@ from . import kernels
 from .config import ModelConfig
 from .kv_cache import KVCache
 from .model import AttentionMetadata, DecodeGroup, PrefillChunk, Transformer
-from .sampling import SampleResult, sample
+from .sampling import SampleResult, apply_token_bitmask, sample
 from .sequence import Sequence
 
 __all__ = ["ModelRunner", "StepInputs", "describe_dtype", "resolve_dtype", "resolve_dtypes"]
@@ -109,6 +109,7 @@ class ModelRunner:
             quantization=self.dtype if self.dtype in QUANTIZED else None,
         ).eval()
         self.kv_cache = KVCache(config, num_blocks, block_size, self.kv_dtype, device)
+        self._bitmask: torch.Tensor | None = None  # [rows, ceil(V / 32)] int32: grammar masks of a step
 
     @property
     def dtype_name(self) -> str:
@@ -222,6 +223,24 @@ class ModelRunner:
         )
         return logits, inputs.sample_rows
 
+    def _constrain(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        """Mask each constrained row's logits with its grammar's allowed next tokens
+        (sequences with and without a grammar share the step; each row has its own)."""
+        rows = [r for r, seq in enumerate(seqs) if seq.constraint is not None]
+        if not rows:
+            return
+        words = -(-logits.shape[-1] // 32)
+        bitmask = self._bitmask
+        if bitmask is None or bitmask.shape[0] < len(rows) or bitmask.shape[1] != words:
+            bitmask = self._bitmask = torch.zeros((max(len(rows), 8), words), dtype=torch.int32)
+        ptr, row_bytes = bitmask.data_ptr(), words * 4
+        for j, r in enumerate(rows):
+            matcher = seqs[r].constraint
+            # its state is the output tokens it has accepted: a preempted sequence keeps both
+            assert matcher.num_tokens == seqs[r].num_output_tokens, (matcher, seqs[r])
+            matcher.fill_mask(ptr + j * row_bytes, row_bytes)
+        apply_token_bitmask(logits, rows, bitmask[: len(rows)])
+
     @torch.inference_mode()
     def run(self, scheduled: list[tuple[Sequence, int]]) -> list[SampleResult | None]:
         """Run one step and sample; one result per scheduled entry (None: prefill chunk that
@@ -230,6 +249,7 @@ class ModelRunner:
         results: list[SampleResult | None] = [None] * len(scheduled)
         if rows:
             seqs = [scheduled[i][0] for i in rows]
+            self._constrain(logits, seqs)
             sampled = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
             for i, result in zip(rows, sampled):
                 results[i] = result

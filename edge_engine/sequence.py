@@ -74,6 +74,7 @@ class Sequence:
         self.generator: Any = None  # torch.Generator
         self.sink: Any = None  # (event loop, asyncio.Queue) the deltas go to
         self.detokenizer: Any = None
+        self.constraint: Any = None  # grammar.Matcher when params.grammar is set
         self.output_text = ""
         self.num_emitted_chars = 0
         self.logprobs: list[SampleResult] = []

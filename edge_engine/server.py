@@ -125,7 +125,12 @@ def create_app(engine: Engine, model_name: str | None = None) -> _StatsFirst:
 
         async def handle(request: Request) -> Response:
             try:
-                prepared = serving.prepare(kind, await _body(request), deadline=_deadline(request))
+                body, deadline = await _body(request), _deadline(request)
+                if kind == "chat" and (body.get("response_format") or body.get("tools")):
+                    # compiling a grammar takes up to tens of ms: off the event loop
+                    prepared = await asyncio.to_thread(serving.prepare, kind, body, deadline=deadline)
+                else:
+                    prepared = serving.prepare(kind, body, deadline=deadline)
             except EngineError as exc:
                 return _error_response(exc)
             if request.headers.get(VALIDATE_HEADER) == "1":

@@ -14,9 +14,11 @@ Supported fields: ``messages`` (chat; string content or a list of ``text`` parts
 ``stop``, ``stop_token_ids``, ``min_tokens``, ``ignore_eos``, ``logprobs`` (+
 ``top_logprobs`` for chat; an integer for completions), ``n`` (1 only), ``stream``,
 ``stream_options.include_usage`` and ``priority`` ("interactive" | "standard" | "batch", or
-0 | 1 | 2).  ``prepare`` also runs the engine's admission: a request whose first token is
-predicted after its deadline, or whose class's TPOT objective cannot be kept, is refused
-(``EngineOverloadedError``, 503) before it is queued.
+0 | 1 | 2); for chat, ``response_format``, ``tools``, ``tool_choice`` and
+``parallel_tool_calls`` (``structured.py``: the grammar and the tools prompt;
+``tool_calls.py``: the answer's ``tool_calls``). ``prepare`` also runs the engine's
+admission: a request whose first token is predicted after its deadline, or whose class's
+TPOT objective cannot be kept, is refused (``EngineOverloadedError``, 503) before it is queued.
 ``presence_penalty`` / ``frequency_penalty`` are range-checked; only 0 is implemented.
 """
 
@@ -36,6 +38,8 @@ from .errors import InvalidRequestError
 from .openai_fields import check_request
 from .sampling import SampleResult, SamplingParams
 from .sequence import Delta, Priority, StageTimes
+from .structured import StructuredPlan, plan, render_tool_calls, tools_system_prompt
+from .tool_calls import ToolCallParser
 
 __all__ = ["OpenAIServing", "PreparedRequest"]
 
@@ -52,6 +56,7 @@ class PreparedRequest:
     deadline: float | None = None  # time.monotonic(): dropped with DeadlineExceededError if not started by then
     extra: dict = field(default_factory=dict)
     times: StageTimes | None = None  # set when the answer has ended: the engine's stages
+    structured: StructuredPlan | None = None  # chat: response_format / tools, when asked
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -92,8 +97,10 @@ class OpenAIServing:
             raise _bad("the request body must be a JSON object", "body", "invalid_type")
         if not checked:
             check_request(kind, body)
+        structured = None
         if kind == "chat":
-            prompt_ids, prompt_param = self._chat_prompt(body), "messages"
+            structured = plan(body)
+            prompt_ids, prompt_param = self._chat_prompt(body, structured), "messages"
         else:
             prompt_ids, prompt_param = self._completion_prompt(body), "prompt"
 
@@ -153,6 +160,8 @@ class OpenAIServing:
         )
         params.max_tokens = max_tokens
         self.engine.check_capacity(len(prompt_ids), priority, deadline)
+        if structured is not None and structured.is_constrained:
+            params.grammar = self._grammar(structured)
         return PreparedRequest(
             kind=kind,
             prompt_token_ids=prompt_ids,
@@ -162,9 +171,24 @@ class OpenAIServing:
             priority=priority,
             completion_logprobs=completion_logprobs,
             deadline=deadline,
+            structured=structured,
         )
 
-    def _chat_prompt(self, body: dict) -> list[int]:
+    def _grammar(self, structured: StructuredPlan):
+        """The compiled grammar of ``structured``; a schema that does not compile is a 400
+        naming its place (``response_format.json_schema.schema``, ``tools.[i].function.parameters``)."""
+        compiler = self.engine.grammar
+        if compiler is None:
+            param = "tools" if structured.uses_tools else "response_format"
+            raise _bad(f"{param} needs constrained decoding, which this engine lacks (install llguidance)", param, "unsupported")
+        try:
+            return compiler.compile(structured.grammar(), "tools" if structured.uses_tools else "response_format")
+        except InvalidRequestError:
+            for param, text in structured.part_grammars():
+                compiler.compile(text, param)  # raises, naming the part at fault
+            raise
+
+    def _chat_prompt(self, body: dict, structured: StructuredPlan | None = None) -> list[int]:
         rendered: list[dict] = []
         for i, message in enumerate(body["messages"]):  # well-formed: check_request saw them
             param = f"messages.[{i}]"
@@ -182,7 +206,19 @@ class OpenAIServing:
                         raise _bad(f"{where} is a {part['type']} part; this model reads text only", where, "unsupported")
                     parts.append(part["text"])
                 content = "".join(parts)
+            if role == "assistant" and message.get("tool_calls"):
+                if not isinstance(message["tool_calls"], list):
+                    raise _bad(f"{param}.tool_calls must be an array", f"{param}.tool_calls", "invalid_type")
+                content += render_tool_calls(message["tool_calls"], param)
+            elif role == "tool":  # a tool's result, as SmolLM2's format gives it back
+                role, content = "user", f"<tool_response>\n{content}\n</tool_response>"
             rendered.append({"role": "system" if role == "developer" else role, "content": content})
+        if structured is not None and structured.uses_tools:
+            tools_prompt = tools_system_prompt(structured)
+            if rendered and rendered[0]["role"] == "system":
+                rendered[0] = {"role": "system", "content": tools_prompt + "\n\n" + rendered[0]["content"]}
+            else:
+                rendered.insert(0, {"role": "system", "content": tools_prompt})
         self.engine.check_prompt_chars(sum(len(m["content"]) for m in rendered), "messages")
         try:
             return self.tokenizer.encode_chat(rendered, add_generation_prompt=True)
@@ -261,12 +297,22 @@ class OpenAIServing:
         first = True
         text_offset = 0
         last: Delta | None = None
+        structured = prepared.structured
+        parser = ToolCallParser(structured) if structured is not None and structured.uses_tools else None
         async with contextlib.aclosing(self._generate(prepared, request_id)) as deltas:
             async for delta in deltas:
                 last = delta
+                if parser is not None:  # tools: content and tool_calls as the parser finds them
+                    for choice in self._tool_choice_chunks(parser, delta, first):
+                        first = False
+                        yield orjson.dumps(
+                            {"id": request_id, "object": obj, "created": created, "model": self.model_name,
+                             "choices": [choice], **usage_field}
+                        )
+                    continue
                 if not delta.text and not delta.logprobs and delta.finish_reason is None and not (first and is_chat):
                     continue
-                if is_chat:
+                elif is_chat:
                     message: dict = {"role": "assistant", "content": delta.text} if first else {}
                     if not first and delta.text:
                         message["content"] = delta.text
@@ -308,6 +354,33 @@ class OpenAIServing:
                 }
             )
 
+    def _tool_choice_chunks(self, parser: ToolCallParser, delta: Delta, first: bool) -> list[dict]:
+        """A chat stream's choices for one delta when tools may be called, in OpenAI's
+        shapes: content as it comes; for each call a first chunk with its ``id``, ``type``,
+        ``function.name`` and empty ``arguments``, then ``arguments`` fragments (one chunk per
+        entry, as OpenAI streams them). Nothing yet while the text may still be the start
+        of ``<tool_call>`` (the role chunk waits too)."""
+        parsed = parser.feed(delta.text)
+        if delta.finish_reason is not None:
+            parsed.content += parser.finish().content
+        messages: list[dict] = []
+        if parsed.content:
+            messages.append({"content": parsed.content})
+        messages += [{"tool_calls": [entry]} for entry in parsed.tool_calls]
+        if not messages and (delta.logprobs or delta.finish_reason is not None):
+            messages.append({})
+        if first and messages:
+            messages[0] = {"role": "assistant", "content": messages[0].pop("content", None), **messages[0]}
+        finish = delta.finish_reason
+        if finish == "stop" and parser.calls:
+            finish = "tool_calls"
+        logprobs = self._chat_logprobs(delta.logprobs) if delta.logprobs else None
+        return [
+            {"index": 0, "delta": message, "logprobs": logprobs if i == 0 else None,
+             "finish_reason": finish if i == len(messages) - 1 else None}
+            for i, message in enumerate(messages)
+        ]
+
     async def complete(self, prepared: PreparedRequest, request_id: str) -> bytes:
         """The whole non-streaming response (chat.completion / text_completion) with usage."""
         created = int(time.time())
@@ -324,6 +397,16 @@ class OpenAIServing:
         text = "".join(texts)
         finish = last.finish_reason if last else "stop"
         if prepared.kind == "chat":
+            message: dict = {"role": "assistant", "content": text}
+            structured = prepared.structured
+            if structured is not None and structured.uses_tools:
+                parser = ToolCallParser(structured)
+                parser.feed(text)
+                parser.finish()
+                if parser.calls:
+                    message = {"role": "assistant", "content": parser.content or None, "tool_calls": parser.calls}
+                    if finish == "stop":
+                        finish = "tool_calls"
             body = {
                 "id": request_id,
                 "object": "chat.completion",
@@ -332,7 +415,7 @@ class OpenAIServing:
                 "choices": [
                     {
                         "index": 0,
-                        "message": {"role": "assistant", "content": text},
+                        "message": message,
                         "logprobs": self._chat_logprobs(logprobs) if prepared.params.logprobs else None,
                         "finish_reason": finish,
                     }

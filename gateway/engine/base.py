@@ -26,6 +26,11 @@ class EdgeEngine(Protocol):
     model_name: str  # the model name clients ask for
 
     @property
+    def structured_output(self) -> bool:
+        """It honours ``response_format`` (JSON object / schema) and ``tools`` by constrained
+        decoding; when False, routing keeps such requests off the edge."""
+
+    @property
     def is_running(self) -> bool:
         """It can take requests now."""
 

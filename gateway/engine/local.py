@@ -44,6 +44,11 @@ class EdgeBackend:
     def is_running(self) -> bool:
         return self.engine.is_running
 
+    @property
+    def structured_output(self) -> bool:
+        """The engine has a grammar library (llguidance) to hold outputs to schemas and tools."""
+        return self.engine.grammar is not None
+
     async def check(self, kind: str, data: dict) -> None:
         try:
             await asyncio.to_thread(self.serving.prepare, kind, data, checked=True)

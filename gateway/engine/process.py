@@ -15,6 +15,8 @@ pool over that Unix socket, as an ordinary upstream:
 - priority: the tenant's class goes in the body's ``priority``, as in-process;
 - the engine's own stages (queue, prefill, decode) come back with the answer, as
   ``Reply.stages``, for the stage histogram, the access log and the trace;
+- whether it can hold outputs to a schema or to tool calls (``structured_output``): from its
+  stats, False until it has answered;
 - routing's view of the engine (queue depth, KV blocks, recent TTFT/TPOT): ``GET /stats``
   polled every ``STATS_INTERVAL_S`` on a connection of its own; the engine counts as down
   when it has not answered for ``STALE_AFTER_S``.
@@ -117,6 +119,11 @@ class EdgeClient:
     @property
     def is_running(self) -> bool:
         return time.monotonic() - self._stats_at < STALE_AFTER_S
+
+    @property
+    def structured_output(self) -> bool:
+        """What the engine process says of itself in its stats (False until it has answered)."""
+        return bool(self._stats and self._stats.get("structured_output"))
 
     def stats(self) -> EdgeStats:
         return edge_stats(self._stats, self.is_running)

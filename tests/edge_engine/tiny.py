@@ -65,8 +65,9 @@ def _merges(tok: HFTokenizer) -> list[str]:
     return [m if isinstance(m, str) else " ".join(m) for m in merges]
 
 
-def build_tiny_model(root: Path, seed: int = 0, *, quantized: bool = False) -> tuple[Path, Path]:
-    """Write ``root/tiny.gguf`` and ``root/tiny-hf/``; returns both paths."""
+def build_tiny_model(root: Path, seed: int = 0, *, quantized: bool = False, context: int = CONTEXT) -> tuple[Path, Path]:
+    """Write ``root/tiny.gguf`` and ``root/tiny-hf/``; returns both paths (``context``: the
+    context window, larger for prompts that carry tool definitions)."""
     tok = build_tokenizer()
     vocab_size = tok.get_vocab_size()
     config = LlamaConfig(
@@ -76,7 +77,7 @@ def build_tiny_model(root: Path, seed: int = 0, *, quantized: bool = False) -> t
         num_hidden_layers=LAYERS,
         num_attention_heads=HEADS,
         num_key_value_heads=KV_HEADS,
-        max_position_embeddings=CONTEXT,
+        max_position_embeddings=context,
         rope_theta=10000.0,
         rms_norm_eps=1e-5,
         tie_word_embeddings=True,
@@ -114,7 +115,7 @@ def build_tiny_model(root: Path, seed: int = 0, *, quantized: bool = False) -> t
     writer = gguf.GGUFWriter(str(gguf_path), "llama")
     writer.add_name("tiny-llama")
     writer.add_block_count(LAYERS)
-    writer.add_context_length(CONTEXT)
+    writer.add_context_length(context)
     writer.add_embedding_length(HIDDEN)
     writer.add_feed_forward_length(FFN)
     writer.add_head_count(HEADS)
