@@ -69,6 +69,9 @@ class EngineConfig:
     max_pending_outputs: int = 64
     # share full KV blocks between sequences by a hash chain of their tokens
     enable_prefix_caching: bool = True
+    # response_format / tools held to their schema by constrained decoding (llguidance, when
+    # installed); False: the engine says it cannot, and the gateway sends such requests elsewhere
+    structured_output: bool = True
     # torch intra-op threads on the CPU; None = torch's default
     num_threads: int | None = None
     # requests whose TTFT/TPOT feed stats()

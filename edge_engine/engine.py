@@ -208,7 +208,8 @@ class Engine:
         )
         self._eos_ids = set(self.tokenizer.eos_token_ids)
         # constrained decoding (response_format, tools): None where llguidance is missing
-        self.grammar = GrammarCompiler(self.tokenizer, self.model_config.vocab_size) if grammar_available() else None
+        structured = config.structured_output and grammar_available()
+        self.grammar = GrammarCompiler(self.tokenizer, self.model_config.vocab_size) if structured else None
         self.jump_forward = True  # append the tokens a grammar forces without sampling them (bench/grammar.py turns it off to compare)
         _ = self.tokenizer.max_token_chars  # computed once, now rather than on the first request
         # the scheduler's state: held by the step thread except while the model runs, and by

@@ -20,7 +20,7 @@ _ENGINE = {f.name: f.default for f in dataclasses.fields(EngineConfig)}  # the e
 _ENGINE_KEYS = (
     "dtype", "device", "block_size", "num_kv_blocks", "kv_cache_memory_fraction", "max_kv_cache_tokens",
     "max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_queue_len", "max_pending_outputs", "enable_prefix_caching",
-    "num_threads", "tpot_ms",
+    "num_threads", "tpot_ms", "structured_output",
 )
 
 
@@ -45,6 +45,7 @@ class EdgeSettings(ConfigModel):
     max_queue_len: int = _ENGINE["max_queue_len"]  # waiting requests before 503 + Retry-After
     max_pending_outputs: int = _ENGINE["max_pending_outputs"]  # unread tokens per stream before its sequence pauses
     enable_prefix_caching: bool = _ENGINE["enable_prefix_caching"]  # share KV blocks of repeated prefixes
+    structured_output: bool = _ENGINE["structured_output"]  # response_format / tools by constrained decoding (false: such requests leave the edge)
     num_threads: int | None = _ENGINE["num_threads"]  # torch CPU threads; null: torch's default
     # time-per-output-token objective per priority class in ms (null or absent: none); see EngineConfig
     tpot_ms: dict[Literal["interactive", "standard", "batch"], float | None] = Field(default_factory=lambda: dict(DEFAULT_TPOT_MS))

@@ -339,7 +339,7 @@ def fn(name: str = "f", **fields) -> dict:
         pytest.param({"tools": [fn("f")], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice.function.name", id="tool-choice-unknown"),
         pytest.param({"tool_choice": "required"}, "tool_choice", id="required-without-tools"),
         pytest.param({"tools": [fn("f")], "parallel_tool_calls": "no"}, "parallel_tool_calls", id="parallel-type"),
-        pytest.param({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}]},
+        pytest.param({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]},
                      "messages.[0].tool_calls.[0].function.arguments", id="history-arguments"),
     ],
 )

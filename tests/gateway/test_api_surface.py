@@ -87,8 +87,8 @@ def test_edge_answers_have_openai_ids(edge_gw):
 
 
 @pytest.mark.parametrize("fields, param", STRUCTURED)
-def test_the_edge_model_named_with_structure_it_cannot_honour_is_a_400(edge_gw, fields, param):
-    gw = edge_gw()
+def test_the_edge_model_named_with_structure_it_cannot_honour_is_a_400(edge_gw, tiny_model, fields, param):
+    gw = edge_gw(edge={**EDGE, "model": tiny_model, "structured_output": False})  # an engine that cannot
     response = httpx.post(gw.url + CHAT, json={**ask(**fields), "model": "tiny"}, timeout=30)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
@@ -96,8 +96,8 @@ def test_the_edge_model_named_with_structure_it_cannot_honour_is_a_400(edge_gw, 
 
 
 @pytest.mark.parametrize("fields, param", STRUCTURED)
-def test_auto_with_structure_and_nothing_that_honours_it_is_a_503_saying_why(edge_gw, fields, param):
-    gw = edge_gw(routing={"policy": {"edge_handles_tools": True}})
+def test_auto_with_structure_and_nothing_that_honours_it_is_a_503_saying_why(edge_gw, tiny_model, fields, param):
+    gw = edge_gw(edge={**EDGE, "model": tiny_model, "structured_output": False}, routing={"policy": {"edge_handles_tools": True}})
     response = httpx.post(gw.url + CHAT, json=ask(**fields), timeout=30)
     assert response.status_code == 503, response.text
     assert response.json()["error"]["code"] == "no_capable_target"

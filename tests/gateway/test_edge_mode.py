@@ -28,11 +28,15 @@ def test_check_config_says_which_mode_auto_picks_and_why(built_kernels, tmp_path
     bare = edgegw("check-config", config, env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)})
     assert bare.returncode == 0, bare.stderr
     assert "edge.dtype: auto -> float32" in bare.stdout and "run `edgegw build-kernels`" in bare.stdout, bare.stdout
-    # a mode that cannot run is an error of the configuration
+    # a mode that cannot run here is a warning (the file may be for another machine: a GPU
+    # node, an image), and an error with --on-this-machine
     path = tmp_path / "int4.yaml"
     path.write_text("edge:\n  enabled: true\n  dtype: int4\n")
-    refused = edgegw("check-config", str(path), env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)})
-    assert refused.returncode == 1 and "edge.dtype: dtype: int4 needs the edge engine's kernels" in refused.stderr
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    warned = edgegw("check-config", str(path), env=env)
+    assert warned.returncode == 0 and "warning: edge.dtype: dtype: int4 needs the edge engine's kernels" in warned.stderr, warned.stderr
+    refused = edgegw("check-config", "--on-this-machine", str(path), env=env)
+    assert refused.returncode == 1 and "error: edge.dtype: dtype: int4 needs the edge engine's kernels" in refused.stderr
 
 
 def test_build_kernels_without_a_compiler_says_what_to_install(tmp_path):

@@ -179,8 +179,20 @@ def gauge(url: str, name: str) -> float:
 
 
 def engine_ready(gw) -> None:
-    """Wait until the node's engine has loaded (the workers serve before it has)."""
+    """Wait until the node's engine has loaded (the workers serve before it has) and the
+    workers have seen it: each learns it at its next stats poll (50 ms, later on a busy
+    machine), and ``/readyz`` of a node with nothing else to serve says 200 only then. Ten
+    new connections in a row answered 200 (the kernel spreads them over the workers)."""
     wait_for(lambda: "edge engine ready" in gw.log.read_text(), 60)
+    in_a_row = 0
+
+    def ready() -> bool:
+        nonlocal in_a_row
+        with httpx.Client(timeout=10) as client:  # a new connection: any worker
+            in_a_row = in_a_row + 1 if client.get(gw.url + "/readyz").status_code == 200 else 0
+        return in_a_row >= 10
+
+    wait_for(ready, 30)
 
 
 def loads_torch(pid: int) -> bool:
