@@ -39,7 +39,7 @@ sys.path.insert(0, ROOT)
 
 import yaml  # noqa: E402
 
-from bench.overload import one  # noqa: E402
+from bench.overload import one, start_upstream  # noqa: E402
 from bench.processes import free_port, pinned, stop, wait_port  # noqa: E402
 from loadgen.http import BaseURL, ConnectionPool  # noqa: E402
 from loadgen.openai import RequestHead  # noqa: E402
@@ -48,18 +48,6 @@ TTFT, TOKENS, DELAY = 0.05, 15, 0.01
 BUDGET_MS = 1_000
 TENANTS = {"acme": "sk-acme", "gamma": "sk-gamma"}
 BODY = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": TOKENS}
-
-
-def start_upstream(port: int) -> subprocess.Popen:
-    code = (
-        "import sys, uvicorn; sys.path.insert(0, %r); from loadgen.fake_upstream import FakeApp; "
-        "app = FakeApp(['fake-model'], {'slots': 1, 'ttft': %r, 'tokens': %d, 'delay': %r}); "
-        "app.requests = type('Discard', (list,), {'append': lambda self, item: None})(); "
-        "uvicorn.run(app, host='127.0.0.1', port=%d, log_level='error', lifespan='off', access_log=False)"
-    ) % (ROOT, TTFT, TOKENS, DELAY, port)
-    proc = subprocess.Popen(pinned("1", [sys.executable, "-c", code]), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_port(port, proc)
-    return proc
 
 
 def gateway_config(upstream: int, port: int, predict: bool) -> dict:
@@ -137,7 +125,7 @@ async def main_async(args) -> list[dict]:
     rows = []
     workdir = tempfile.mkdtemp(prefix="edgegw-fairness-")
     upstream_port = free_port()
-    upstream = start_upstream(upstream_port)
+    upstream = start_upstream(upstream_port, slots=1, ttft=TTFT, tokens=TOKENS, delay=DELAY)
     try:
         trees = [("this tree", ROOT)] + ([("baseline", os.path.abspath(args.baseline_root))] if args.baseline_root else [])
         for (tree, root), predict in ((t, p) for t in trees for p in (True, False)):

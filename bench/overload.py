@@ -62,13 +62,15 @@ TENANTS = {  # name: (key, priority, budget ms, share of the load)
 BODY = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": TOKENS}
 
 
-def start_upstream(port: int) -> subprocess.Popen:
+def start_upstream(port: int, slots: int = SLOTS, ttft: float = TTFT, tokens: int = TOKENS, delay: float = DELAY) -> subprocess.Popen:
+    """The scripted server (``loadgen/fake_upstream.py``) under uvicorn on core 1: ``slots``
+    answers at a time, the rest queued first come, first served, as an inference server does."""
     code = (
         "import sys, uvicorn; sys.path.insert(0, %r); from loadgen.fake_upstream import FakeApp; "
         "app = FakeApp(['fake-model'], {'slots': %d, 'ttft': %r, 'tokens': %d, 'delay': %r}); "
         "app.requests = type('Discard', (list,), {'append': lambda self, item: None})(); "
         "uvicorn.run(app, host='127.0.0.1', port=%d, log_level='error', lifespan='off', access_log=False)"
-    ) % (ROOT, SLOTS, TTFT, TOKENS, DELAY, port)
+    ) % (ROOT, slots, ttft, tokens, delay, port)
     proc = subprocess.Popen(pinned("1", [sys.executable, "-c", code]), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_port(port, proc)
     return proc
