@@ -3,30 +3,16 @@ read again while serving, and how tokens are counted per tenant."""
 
 from __future__ import annotations
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field
 
-from gateway.core.settings_base import ConfigModel, readable_file
-from gateway.core.settings_tenants import checked_digests
+from gateway.core.settings_base import ConfigModel
+from gateway.core.settings_tenants import KeySettings
 
 __all__ = ["AdminSettings", "ReloadSettings", "UsageSettings"]
 
 
-class AdminSettings(ConfigModel):
-    """Who may use the admin paths (/metrics, /debug/latency, /dashboard, /admin/*)."""
-
-    keys: tuple[SecretStr, ...] = ()  # admin keys: plain, or "sha256:<hex of the key's sha256>"
-    keys_env: str | None = None  # also: a comma-separated list in this environment variable
-    keys_file: str | None = None  # also: a file of keys, one per line or comma-separated (a mounted Secret; read again on reload)
-
-    @field_validator("keys_file")
-    @classmethod
-    def _keys_file_exists(cls, value: str | None) -> str | None:
-        return None if value is None else readable_file(value)
-
-    @field_validator("keys")
-    @classmethod
-    def _check_digests(cls, keys: tuple[SecretStr, ...]) -> tuple[SecretStr, ...]:
-        return checked_digests(keys)
+class AdminSettings(KeySettings):
+    """Who may use the admin paths (/metrics, /debug/latency, /dashboard, /admin/*): these keys."""
 
 
 class ReloadSettings(ConfigModel):

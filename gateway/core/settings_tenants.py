@@ -12,8 +12,8 @@ from gateway.core.settings_base import ConfigModel, readable_file
 
 __all__ = [
     "AdmissionSettings",
+    "KeySettings",
     "TokenQuotaSettings",
-    "checked_digests",
     "AuthSettings",
     "Priority",
     "RateLimitSettings",
@@ -42,9 +42,10 @@ class TenantPolicy(ConfigModel):
     quota: TokenQuotaSettings = TokenQuotaSettings()  # token quotas counted by usage (gateway/admission/quota.py)
 
 
-class TenantSettings(TenantPolicy):
-    name: str = Field(min_length=1)  # shown in metrics and logs (never a key)
-    keys: tuple[SecretStr, ...] = ()  # API keys: plain, or "sha256:<hex of the key's sha256>"
+class KeySettings(ConfigModel):
+    """Where a set of keys comes from (a tenant's API keys, the admin keys)."""
+
+    keys: tuple[SecretStr, ...] = ()  # keys: plain, or "sha256:<hex of the key's sha256>"
     keys_env: str | None = None  # also: a comma-separated list in this environment variable
     keys_file: str | None = None  # also: a file of keys, one per line or comma-separated (a mounted Secret; read again on reload)
 
@@ -56,15 +57,15 @@ class TenantSettings(TenantPolicy):
     @field_validator("keys")
     @classmethod
     def _check_digests(cls, keys: tuple[SecretStr, ...]) -> tuple[SecretStr, ...]:
-        return checked_digests(keys)
+        for key in keys:
+            value = key.get_secret_value()
+            if value.startswith("sha256:") and not re.fullmatch(r"sha256:[0-9a-fA-F]{64}", value):
+                raise ValueError("a sha256: key must be followed by 64 hex digits")
+        return keys
 
 
-def checked_digests(keys: tuple[SecretStr, ...]) -> tuple[SecretStr, ...]:
-    for key in keys:
-        value = key.get_secret_value()
-        if value.startswith("sha256:") and not re.fullmatch(r"sha256:[0-9a-fA-F]{64}", value):
-            raise ValueError("a sha256: key must be followed by 64 hex digits")
-    return keys
+class TenantSettings(TenantPolicy, KeySettings):
+    name: str = Field(min_length=1)  # shown in metrics and logs (never a key)
 
 
 class AuthSettings(ConfigModel):
