@@ -294,6 +294,20 @@ class Target:
     gateway: Child | None
 
 
+GATEWAY_SET: dict[str, object] = {}  # --set KEY=VALUE: configuration keys of the gateways under test
+
+
+def _apply_set(config: dict) -> dict:
+    """``--set usage.enabled=false``: dotted keys into the gateway's configuration (values as YAML)."""
+    for dotted, value in GATEWAY_SET.items():
+        node = config
+        *parents, last = dotted.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return config
+
+
 def gateway_config(upstream_port: int, protocol: str, port: int, traces: bool = False) -> dict:
     config = {
         "clusters": [
@@ -314,7 +328,7 @@ def gateway_config(upstream_port: int, protocol: str, port: int, traces: bool = 
     }
     if traces:  # every request traced (sample_ratio 1), spans exported to the fast upstream's sink
         config["tracing"] = {"endpoint": f"http://127.0.0.1:{upstream_port}/v1/traces", "sample_ratio": 1.0}
-    return config
+    return _apply_set(config)
 
 
 def nginx_config(upstream_port: int, port: int, tmp: str) -> str:
@@ -929,6 +943,10 @@ def main() -> int:
     )
     parser.add_argument("--nginx", action="store_true", help="also nginx as a reference proxy (apt-get install nginx)")
     parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="a configuration key of the gateways under test, dotted, the value as YAML (e.g. usage.enabled=false); repeatable",
+    )
+    parser.add_argument(
         "--gateway-root",
         metavar="DIR",
         default=ROOT,
@@ -940,6 +958,9 @@ def main() -> int:
     if args.isolation:  # the scenario lives in its own script; this is its name here too
         return subprocess.call([PY, os.path.join(ROOT, "bench", "isolation.py"), *rest], cwd=ROOT)
     gateway_root = os.path.abspath(args.gateway_root)
+    for item in args.set:
+        key, _, value = item.partition("=")
+        GATEWAY_SET[key] = yaml.safe_load(value)
     reps = args.reps or (1 if args.quick else 3)
     scale = 0.1 if args.quick else 1.0
     command = " ".join([".venv/bin/python", "bench/relay.py", *sys.argv[1:]])
