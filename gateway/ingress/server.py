@@ -35,15 +35,47 @@ logger = logging.getLogger("edgegw.ingress")
 _ALT_SVC_MAX_AGE = 86400
 _TRIM_EVERY_S = 1.0  # how often the connection count is looked at
 _TRIM_AFTER = 100  # connections gone since the last look's peak: give their memory back
+_TRIM_FREED_BYTES = 32 << 20  # or malloc's free lists grew this much since the last trim (short-lived connections by the thousand)
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost",
+    )]
+
+
+def _libc():
+    name = ctypes.util.find_library("c")
+    if sys.platform != "linux" or name is None:
+        return None
+    return ctypes.CDLL(name)
 
 
 def _malloc_trim():
     """glibc's ``malloc_trim`` (None elsewhere)."""
-    name = ctypes.util.find_library("c")
-    if sys.platform != "linux" or name is None:
+    libc = _libc()
+    return getattr(libc, "malloc_trim", None) if libc is not None else None
+
+
+def _free_heap_bytes():
+    """A function answering the bytes glibc's malloc holds free (``mallinfo2().fordblks``), or
+    None where there is no ``mallinfo2`` (glibc < 2.33, other C libraries)."""
+    libc = _libc()
+    mallinfo2 = getattr(libc, "mallinfo2", None) if libc is not None else None
+    if mallinfo2 is None:
         return None
-    libc = ctypes.CDLL(name)
-    return getattr(libc, "malloc_trim", None)
+    mallinfo2.restype = _Mallinfo2
+    return lambda: mallinfo2().fordblks
+
+
+def should_trim(count: int, peak: int, freed: int) -> bool:
+    """Whether to give freed memory back now: the open connections fell by ``_TRIM_AFTER``
+    from their peak since the last trim, or malloc's free lists grew by ``_TRIM_FREED_BYTES``
+    over their low since then (``freed``; a flood of connections that each lived for
+    milliseconds never shows in the count of open ones). ``malloc_trim`` gives the pages
+    back but leaves the chunks on the free lists, so the growth, not the total, is what
+    says there is something new to give back."""
+    return peak - count >= _TRIM_AFTER or freed >= _TRIM_FREED_BYTES
 
 
 class AltSvcApp:
@@ -207,18 +239,21 @@ class Server(uvicorn.Server):
         they freed (TLS buffers, protocol objects: ~20 KB a connection) in its free lists,
         scattered, so the process stays as large as its busiest moment: 1,000 idle
         connections, once closed, would leave ~20 MB behind. ``malloc_trim`` returns the
-        free pages (a few ms for a heap of hundreds of MB); it runs when the count of open
-        connections has dropped by ``_TRIM_AFTER`` from its peak since the last trim."""
+        free pages (a few ms for a heap of hundreds of MB); it runs when ``should_trim`` says
+        so, looked at every ``_TRIM_EVERY_S``."""
         connections = self.server_state.connections
+        free_bytes = _free_heap_bytes() or (lambda: 0)
         peak = len(connections)
+        low = free_bytes()  # malloc's free bytes: their low since the last trim
         while True:
             await asyncio.sleep(_TRIM_EVERY_S)
-            count = len(connections)
+            count, free = len(connections), free_bytes()
+            low = min(low, free)
             if count > peak:
                 peak = count
-            elif peak - count >= _TRIM_AFTER:
+            elif should_trim(count, peak, free - low):
                 trim(0)
-                peak = count
+                peak, low = count, free
 
     async def shutdown(self, sockets=None) -> None:
         if self._trimmer is not None:

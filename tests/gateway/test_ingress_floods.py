@@ -22,6 +22,7 @@ from aioquic.h3.connection import ErrorCode
 
 from gateway.ingress import H2ServerProtocol
 from gateway.ingress.guard import refusal
+from gateway.ingress.server import _free_heap_bytes, should_trim
 from gateway.core.settings import LimitSettings, Settings
 from tests.conftest import cluster
 from tests.fakes import FakeUpstream
@@ -381,3 +382,31 @@ class _ServerState:
 
 
 _never_called = refusal(500, "unexpected", "the protocol-level test sends no request")
+
+
+@pytest.mark.parametrize(
+    "count, peak, freed, trims",
+    [
+        pytest.param(0, 150, 0, True, id="100 connections gone since the peak"),
+        pytest.param(60, 150, 0, False, id="fewer gone"),
+        pytest.param(3, 3, 40 << 20, True, id="a flood of short connections: free lists grew 40 MB"),
+        pytest.param(3, 3, 8 << 20, False, id="free lists grew 8 MB"),
+    ],
+)
+def test_freed_memory_is_given_back_after_many_closes_or_a_flood_of_short_connections(count, peak, freed, trims):
+    assert should_trim(count, peak, freed) is trims
+
+
+def test_mallocs_free_bytes_are_read_from_glibc():
+    """What ``should_trim`` is fed: malloc's free bytes grow when objects are freed (glibc's
+    ``mallinfo2``; this machine's C library has it)."""
+    free_bytes = _free_heap_bytes()
+    assert free_bytes is not None
+    before = free_bytes()
+    # ~50 MB in small chunks between ones that stay, as connections' buffers lie between
+    # longer-lived objects (nothing at the heap's top to hand back by itself)
+    pairs = [(bytearray(1000), bytearray(600)) for _ in range(50_000)]
+    kept = [small for _, small in pairs]
+    del pairs
+    assert free_bytes() - before >= 32 << 20
+    del kept
