@@ -1,5 +1,5 @@
-// AVX2 + FMA + F16C (x86-64-v3): hand-written 256-bit attention and exp; the tile kernels
-// are ops_impl.h's portable loops, vectorised by the compiler for this target.
+// AVX2 + FMA + F16C (x86-64-v3): hand-written 256-bit tile kernels (float32 FMA, and
+// VPMADDUBSW for 8-bit activations), attention and exp.
 #if defined(__x86_64__) || defined(__i386__)
 #pragma GCC target("avx2,fma,f16c,bmi2")
 #define EDGE_NS avx2

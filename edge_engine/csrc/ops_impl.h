@@ -364,6 +364,197 @@ void q8_a8_tile_z(const Rows8& x, int64_t m0, const Q8& w, int64_t t, float* y, 
 #define EDGE_F32_TILE(kind) kind##_f32_tile_z
 #define EDGE_A8_TILE(kind) kind##_a8_tile_z
 constexpr int kMaxF32Rows = 16, kMaxA8Rows = 8;
+#elif defined(EDGE_AVX2)
+// ---- AVX2 tile kernels: two ymm = the 16 output rows of a tile (rows 0-7, 8-15) -----------
+// (the compiler does not vectorise the portable loops' strided nibble reads: on an AVX2-only
+// CPU they ran a decode step's blocks 5x slower than torch's own int4 matmul)
+inline void store_tile(float* y, __m256 lo, __m256 hi, int64_t nv) {
+  if (nv == 16) {
+    _mm256_storeu_ps(y, lo);
+    _mm256_storeu_ps(y + 8, hi);
+    return;
+  }
+  alignas(32) float tmp[16];
+  _mm256_store_ps(tmp, lo);
+  _mm256_store_ps(tmp + 8, hi);
+  for (int64_t n = 0; n < nv; ++n) y[n] = tmp[n];
+}
+
+// byte j of each dword of v (the j-th of a lane's 4 inputs), as float
+template <int J>
+inline __m256 byte_lane(__m256i v) {
+  const __m256i ff = _mm256_set1_epi32(0xFF);
+  if constexpr (J == 0) return _mm256_cvtepi32_ps(_mm256_and_si256(v, ff));
+  if constexpr (J == 3) return _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 24));
+  return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 8 * J), ff));
+}
+
+inline __m256 half_floats(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// input k + J of every row against the 16 weights (lo: rows 0-7, hi: 8-15) of that input
+#define EDGE_Y_FMA(J, WLO, WHI)                                                   \
+  do {                                                                              \
+    const __m256 _wl = (WLO), _wh = (WHI);                                          \
+    _Pragma("GCC unroll 4") for (int r = 0; r < MR; ++r) {                          \
+      const __m256 _x = _mm256_set1_ps(xg[r * ldx + k + (J)]);                      \
+      lo[(k + (J)) % P][r] = _mm256_fmadd_ps(_wl, _x, lo[(k + (J)) % P][r]);        \
+      hi[(k + (J)) % P][r] = _mm256_fmadd_ps(_wh, _x, hi[(k + (J)) % P][r]);        \
+    }                                                                               \
+  } while (0)
+
+template <int MR>
+void q4_f32_tile_y(const float* x, int64_t ldx, const Q4& w, int64_t t, float* y, int64_t ldy, int64_t nv) {
+  constexpr int P = MR >= 4 ? 1 : 4 / MR;  // independent FMA chains per row (latency)
+  const int64_t G = w.K / kGroup;
+  __m256 lo[P][MR], hi[P][MR];
+  for (int p = 0; p < P; ++p)
+    for (int r = 0; r < MR; ++r) lo[p][r] = hi[p][r] = _mm256_setzero_ps();
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  const uint8_t* base = w.packed + t * G * 256;
+  for (int64_t g = 0; g < G; ++g) {
+    const uint16_t* sp = w.scales + (t * G + g) * 16;
+    const uint16_t* mp = w.mins + (t * G + g) * 16;
+    const __m256 s0 = half_floats(sp), s1 = half_floats(sp + 8), n0 = half_floats(mp), n1 = half_floats(mp + 8);
+    const float* xg = x + g * kGroup;
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + g * 256 + c * 64));
+      const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + g * 256 + c * 64 + 32));
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const __m256i q0 = h ? _mm256_and_si256(_mm256_srli_epi16(b0, 4), m4) : _mm256_and_si256(b0, m4);
+        const __m256i q1 = h ? _mm256_and_si256(_mm256_srli_epi16(b1, 4), m4) : _mm256_and_si256(b1, m4);
+        const int k = c * 8 + h * 4;
+        EDGE_Y_FMA(0, _mm256_fmadd_ps(byte_lane<0>(q0), s0, n0), _mm256_fmadd_ps(byte_lane<0>(q1), s1, n1));
+        EDGE_Y_FMA(1, _mm256_fmadd_ps(byte_lane<1>(q0), s0, n0), _mm256_fmadd_ps(byte_lane<1>(q1), s1, n1));
+        EDGE_Y_FMA(2, _mm256_fmadd_ps(byte_lane<2>(q0), s0, n0), _mm256_fmadd_ps(byte_lane<2>(q1), s1, n1));
+        EDGE_Y_FMA(3, _mm256_fmadd_ps(byte_lane<3>(q0), s0, n0), _mm256_fmadd_ps(byte_lane<3>(q1), s1, n1));
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    __m256 a = lo[0][r], b = hi[0][r];
+    for (int p = 1; p < P; ++p) a = _mm256_add_ps(a, lo[p][r]), b = _mm256_add_ps(b, hi[p][r]);
+    store_tile(y + r * ldy + t * 16, a, b, nv);
+  }
+}
+
+template <int MR>
+void q8_f32_tile_y(const float* x, int64_t ldx, const Q8& w, int64_t t, float* y, int64_t ldy, int64_t nv) {
+  constexpr int P = MR >= 4 ? 1 : 4 / MR;
+  const int64_t G = w.K / kGroup;
+  __m256 lo[P][MR], hi[P][MR];
+  for (int p = 0; p < P; ++p)
+    for (int r = 0; r < MR; ++r) lo[p][r] = hi[p][r] = _mm256_setzero_ps();
+  const __m256 bias = _mm256_set1_ps(128.f);
+  const uint8_t* base = w.q + t * G * 512;
+  for (int64_t g = 0; g < G; ++g) {
+    const uint16_t* sp = w.scales + (t * G + g) * 16;
+    const __m256 s0 = half_floats(sp), s1 = half_floats(sp + 8);
+    const __m256 sb0 = _mm256_mul_ps(s0, bias), sb1 = _mm256_mul_ps(s1, bias);
+    const float* xg = x + g * kGroup;
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+      const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + g * 512 + c * 64));
+      const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + g * 512 + c * 64 + 32));
+      const int k = c * 4;
+      // (q + 128) * s - 128 s: exact (q * s has at most 19 significant bits)
+      EDGE_Y_FMA(0, _mm256_fmsub_ps(byte_lane<0>(b0), s0, sb0), _mm256_fmsub_ps(byte_lane<0>(b1), s1, sb1));
+      EDGE_Y_FMA(1, _mm256_fmsub_ps(byte_lane<1>(b0), s0, sb0), _mm256_fmsub_ps(byte_lane<1>(b1), s1, sb1));
+      EDGE_Y_FMA(2, _mm256_fmsub_ps(byte_lane<2>(b0), s0, sb0), _mm256_fmsub_ps(byte_lane<2>(b1), s1, sb1));
+      EDGE_Y_FMA(3, _mm256_fmsub_ps(byte_lane<3>(b0), s0, sb0), _mm256_fmsub_ps(byte_lane<3>(b1), s1, sb1));
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    __m256 a = lo[0][r], b = hi[0][r];
+    for (int p = 1; p < P; ++p) a = _mm256_add_ps(a, lo[p][r]), b = _mm256_add_ps(b, hi[p][r]);
+    store_tile(y + r * ldy + t * 16, a, b, nv);
+  }
+}
+#undef EDGE_Y_FMA
+
+// VPMADDUBSW: unsigned weight nibbles x signed 8-bit activations, pairs summed in 16 bits;
+// a group's 16 products per lane stay within int16 (16 x 15 x 127 = 30,480), so exact
+template <int MR>
+void q4_a8_tile_y(const Rows8& x, int64_t m0, const Q4& w, int64_t t, float* y, int64_t ldy, int64_t nv) {
+  const int64_t K = w.K, G = K / kGroup;
+  __m256 acc0[MR], acc1[MR];
+  for (int r = 0; r < MR; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+  const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const uint8_t* base = w.packed + t * G * 256;
+  for (int64_t g = 0; g < G; ++g) {
+    __m256i a0[MR], a1[MR];
+    for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + g * 256 + c * 64));
+      const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + g * 256 + c * 64 + 32));
+      const __m256i l0 = _mm256_and_si256(b0, m4), h0 = _mm256_and_si256(_mm256_srli_epi16(b0, 4), m4);
+      const __m256i l1 = _mm256_and_si256(b1, m4), h1 = _mm256_and_si256(_mm256_srli_epi16(b1, 4), m4);
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) {
+        const int8_t* xq = x.q + (m0 + r) * K + g * kGroup + c * 8;
+        const __m256i xl = _mm256_set1_epi32(load_i32(xq)), xh = _mm256_set1_epi32(load_i32(xq + 4));
+        a0[r] = _mm256_add_epi16(a0[r], _mm256_add_epi16(_mm256_maddubs_epi16(l0, xl), _mm256_maddubs_epi16(h0, xh)));
+        a1[r] = _mm256_add_epi16(a1[r], _mm256_add_epi16(_mm256_maddubs_epi16(l1, xl), _mm256_maddubs_epi16(h1, xh)));
+      }
+    }
+    const uint16_t* sp = w.scales + (t * G + g) * 16;
+    const uint16_t* mp = w.mins + (t * G + g) * 16;
+    const __m256 s0 = half_floats(sp), s1 = half_floats(sp + 8), n0 = half_floats(mp), n1 = half_floats(mp + 8);
+    for (int r = 0; r < MR; ++r) {
+      const int64_t i = (m0 + r) * G + g;
+      const __m256 d = _mm256_set1_ps(x.d[i]), xs = _mm256_set1_ps(x.xsum[i]);
+      acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(a0[r], ones)), _mm256_mul_ps(s0, d), acc0[r]);
+      acc1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(a1[r], ones)), _mm256_mul_ps(s1, d), acc1[r]);
+      acc0[r] = _mm256_fmadd_ps(n0, xs, acc0[r]);
+      acc1[r] = _mm256_fmadd_ps(n1, xs, acc1[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) store_tile(y + (m0 + r) * ldy + t * 16, acc0[r], acc1[r], nv);
+}
+
+// Q8 weights stored as q + 128 with |q| <= 127 (pack_q8 clamps): q x = |x| (q sign(x)), the
+// unsigned-by-signed product VPMADDUBSW takes; a pair's sum is at most 2 x 127 x 127, exact
+template <int MR>
+void q8_a8_tile_y(const Rows8& x, int64_t m0, const Q8& w, int64_t t, float* y, int64_t ldy, int64_t nv) {
+  const int64_t K = w.K, G = K / kGroup;
+  __m256 acc0[MR], acc1[MR];
+  for (int r = 0; r < MR; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+  const uint8_t* base = w.q + t * G * 512;
+  for (int64_t g = 0; g < G; ++g) {
+    __m256i a0[MR], a1[MR];
+    for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+      const __m256i q0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + g * 512 + c * 64)), flip);
+      const __m256i q1 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + g * 512 + c * 64 + 32)), flip);
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) {
+        const __m256i xb = _mm256_set1_epi32(load_i32(x.q + (m0 + r) * K + g * kGroup + c * 4));
+        const __m256i ax = _mm256_abs_epi8(xb);
+        a0[r] = _mm256_add_epi32(a0[r], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(q0, xb)), ones));
+        a1[r] = _mm256_add_epi32(a1[r], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(q1, xb)), ones));
+      }
+    }
+    const uint16_t* sp = w.scales + (t * G + g) * 16;
+    const __m256 s0 = half_floats(sp), s1 = half_floats(sp + 8);
+    for (int r = 0; r < MR; ++r) {
+      const __m256 d = _mm256_set1_ps(x.d[(m0 + r) * G + g]);
+      acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a0[r]), _mm256_mul_ps(s0, d), acc0[r]);
+      acc1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a1[r]), _mm256_mul_ps(s1, d), acc1[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) store_tile(y + (m0 + r) * ldy + t * 16, acc0[r], acc1[r], nv);
+}
+#define EDGE_F32_TILE(kind) kind##_f32_tile_y
+#ifdef EDGE_AVXVNNI  // the portable a8 loops, which the compiler turns into 256-bit VPDPBUSD
+#define EDGE_A8_TILE(kind) kind##_a8_tile_c
+#else
+#define EDGE_A8_TILE(kind) kind##_a8_tile_y
+#endif
+constexpr int kMaxF32Rows = 4, kMaxA8Rows = 4;
 #else
 #define EDGE_F32_TILE(kind) kind##_f32_tile_c
 #define EDGE_A8_TILE(kind) kind##_a8_tile_c
