@@ -4,9 +4,10 @@ deterministic), ``/v1/responses`` and ``/v1/messages`` (streams relayed as SSE),
 the configured ``passthrough`` paths, each to the cluster serving the model, with the same
 admission, rate limits, accounting and header forwarding as chat.
 
-llama.cpp's server (which serves ``/v1/embeddings`` with embeddings enabled) is not
-installed here, so the upstream is a scripted one (``Scripted``) answering as the real
-servers do: OpenAI's embeddings list with ``usage.prompt_tokens``/``total_tokens`` (what
+``/v1/embeddings`` is also tested against llama.cpp's server started with embeddings
+enabled (tests/realworld/test_embeddings.py); no server here serves the others, so these
+tests use two scripted upstreams (``Scripted``, also for routing by model) answering as the
+real servers do: OpenAI's embeddings list with ``usage.prompt_tokens``/``total_tokens`` (what
 llama.cpp's and vLLM's servers send), the Responses API's named SSE events
 (``event: response.output_text.delta``...) ending without ``[DONE]``, Anthropic's Messages
 stream (``event: message_start`` ... ``message_stop``), Whisper-style transcriptions from a

@@ -82,7 +82,8 @@ class _Server:
 
 
 class LlamaServer(_Server):
-    """``python -m llama_cpp.server`` on the bundled GGUF, two threads, a 512-token context.
+    """``python -m llama_cpp.server`` on the bundled GGUF, two threads, a 512-token context
+    (``embedding``: it serves ``/v1/embeddings`` too).
 
     ``interrupt_requests`` is left at its default (True) unless asked: any new request, a
     ``GET /v1/models`` too, ends the generation in progress. It prints ``disconnected``
@@ -90,13 +91,15 @@ class LlamaServer(_Server):
 
     name = "llama-cpp"
 
-    def __init__(self, folder: Path, *, interrupt_requests: bool = True, n_ctx: int = N_CTX, threads: int = 2) -> None:
+    def __init__(
+        self, folder: Path, *, interrupt_requests: bool = True, n_ctx: int = N_CTX, threads: int = 2, embedding: bool = False
+    ) -> None:
         if importlib.util.find_spec("llama_cpp") is None:
             raise RuntimeError("llama-cpp-python is not installed: `make test` installs it (the Makefile's test set-up)")
         argv = [
             sys.executable, "-m", "llama_cpp.server", "--model", default_model_path(), "--model_alias", MODEL,
             "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", str(n_ctx),
-            "--interrupt_requests", str(interrupt_requests),
+            "--interrupt_requests", str(interrupt_requests), "--embedding", str(embedding),
         ]  # fmt: skip
         super().__init__(argv, folder)
 
