@@ -36,7 +36,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from .config import EngineConfig
+from .config import DEFAULT_TPOT_MS, EngineConfig
 from .engine import Engine
 from .errors import EngineError, EngineOverloadedError, InvalidRequestError
 from .sequence import StageTimes
@@ -238,6 +238,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-queue-len", type=int, default=256)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument(
+        "--no-tpot-objectives", action="store_true",
+        help="no time-per-output-token objective for any class (admission then refuses only by deadline)",
+    )  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -257,6 +261,7 @@ def main(argv: list[str] | None = None) -> None:
         max_queue_len=args.max_queue_len,
         enable_prefix_caching=not args.no_prefix_caching,
         num_threads=args.threads,
+        **({"tpot_ms": dict.fromkeys(DEFAULT_TPOT_MS)} if args.no_tpot_objectives else {}),
     )
     engine = Engine(config)
     logger.info("loaded %r", engine)
