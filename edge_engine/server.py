@@ -36,7 +36,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from .config import DEFAULT_TPOT_MS, EngineConfig
+from .config import EngineConfig
 from .engine import Engine
 from .errors import EngineError, EngineOverloadedError, InvalidRequestError
 from .sequence import StageTimes
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
         max_queue_len=args.max_queue_len,
         enable_prefix_caching=not args.no_prefix_caching,
         num_threads=args.threads,
-        **({"tpot_ms": dict.fromkeys(DEFAULT_TPOT_MS)} if args.no_tpot_objectives else {}),
+        **({"tpot_ms": {}} if args.no_tpot_objectives else {}),  # else the default objectives
     )
     engine = Engine(config)
     logger.info("loaded %r", engine)

@@ -391,6 +391,22 @@ inline __m256 byte_lane(__m256i v) {
 
 inline __m256 half_floats(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
+// P independent FMA chains per row and half-tile: zeroed, then summed into the row's tile
+template <int P, int MR>
+inline void zero_chains(__m256 (&lo)[P][MR], __m256 (&hi)[P][MR]) {
+  for (int p = 0; p < P; ++p)
+    for (int r = 0; r < MR; ++r) lo[p][r] = hi[p][r] = _mm256_setzero_ps();
+}
+
+template <int P, int MR>
+inline void store_chains(const __m256 (&lo)[P][MR], const __m256 (&hi)[P][MR], float* y, int64_t ldy, int64_t nv) {
+  for (int r = 0; r < MR; ++r) {
+    __m256 a = lo[0][r], b = hi[0][r];
+    for (int p = 1; p < P; ++p) a = _mm256_add_ps(a, lo[p][r]), b = _mm256_add_ps(b, hi[p][r]);
+    store_tile(y + r * ldy, a, b, nv);
+  }
+}
+
 // input k + J of every row against the 16 weights (lo: rows 0-7, hi: 8-15) of that input
 #define EDGE_Y_FMA(J, WLO, WHI)                                                   \
   do {                                                                              \
@@ -407,8 +423,7 @@ void q4_f32_tile_y(const float* x, int64_t ldx, const Q4& w, int64_t t, float* y
   constexpr int P = MR >= 4 ? 1 : 4 / MR;  // independent FMA chains per row (latency)
   const int64_t G = w.K / kGroup;
   __m256 lo[P][MR], hi[P][MR];
-  for (int p = 0; p < P; ++p)
-    for (int r = 0; r < MR; ++r) lo[p][r] = hi[p][r] = _mm256_setzero_ps();
+  zero_chains(lo, hi);
   const __m256i m4 = _mm256_set1_epi8(0x0F);
   const uint8_t* base = w.packed + t * G * 256;
   for (int64_t g = 0; g < G; ++g) {
@@ -432,11 +447,7 @@ void q4_f32_tile_y(const float* x, int64_t ldx, const Q4& w, int64_t t, float* y
       }
     }
   }
-  for (int r = 0; r < MR; ++r) {
-    __m256 a = lo[0][r], b = hi[0][r];
-    for (int p = 1; p < P; ++p) a = _mm256_add_ps(a, lo[p][r]), b = _mm256_add_ps(b, hi[p][r]);
-    store_tile(y + r * ldy + t * 16, a, b, nv);
-  }
+  store_chains(lo, hi, y + t * 16, ldy, nv);
 }
 
 template <int MR>
@@ -444,8 +455,7 @@ void q8_f32_tile_y(const float* x, int64_t ldx, const Q8& w, int64_t t, float* y
   constexpr int P = MR >= 4 ? 1 : 4 / MR;
   const int64_t G = w.K / kGroup;
   __m256 lo[P][MR], hi[P][MR];
-  for (int p = 0; p < P; ++p)
-    for (int r = 0; r < MR; ++r) lo[p][r] = hi[p][r] = _mm256_setzero_ps();
+  zero_chains(lo, hi);
   const __m256 bias = _mm256_set1_ps(128.f);
   const uint8_t* base = w.q + t * G * 512;
   for (int64_t g = 0; g < G; ++g) {
@@ -465,11 +475,7 @@ void q8_f32_tile_y(const float* x, int64_t ldx, const Q8& w, int64_t t, float* y
       EDGE_Y_FMA(3, _mm256_fmsub_ps(byte_lane<3>(b0), s0, sb0), _mm256_fmsub_ps(byte_lane<3>(b1), s1, sb1));
     }
   }
-  for (int r = 0; r < MR; ++r) {
-    __m256 a = lo[0][r], b = hi[0][r];
-    for (int p = 1; p < P; ++p) a = _mm256_add_ps(a, lo[p][r]), b = _mm256_add_ps(b, hi[p][r]);
-    store_tile(y + r * ldy + t * 16, a, b, nv);
-  }
+  store_chains(lo, hi, y + t * 16, ldy, nv);
 }
 #undef EDGE_Y_FMA
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
+import functools
 import logging
 import ssl
 import sys
@@ -44,7 +45,9 @@ class _Mallinfo2(ctypes.Structure):
     )]
 
 
+@functools.cache
 def _libc():
+    """The C library, loaded once (``find_library`` runs ``ldconfig``)."""
     name = ctypes.util.find_library("c")
     if sys.platform != "linux" or name is None:
         return None
