@@ -147,15 +147,17 @@ def request_from_openai(
     location: Location | None = None,
     budget_ms: float | None = None,
     api: str = "chat",
+    prompt_estimate: tuple[int, bool] | None = None,
 ) -> RouteRequest:
     """Build the ``RouteRequest`` for a ``/v1/chat/completions`` or ``/v1/completions`` body
     (or, with ``api``, another API's JSON body: ``embeddings``, ``responses``...).
 
     ``budget_ms``: the request's TTFT budget as its caller decided it (``budget_of`` reads
     the header; the gateway's ``Deadline`` holds it); ``None``: the policy's default applies.
+    ``prompt_estimate``: ``estimate_prompt_tokens`` of the body, when the caller has it.
     """
     pol = config.policy
-    tokens, attached = estimate_prompt_tokens(body, pol.chars_per_token)
+    tokens, attached = prompt_estimate or estimate_prompt_tokens(body, pol.chars_per_token)
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
         max_tokens = None

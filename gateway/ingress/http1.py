@@ -24,6 +24,11 @@ are answered in plain text. ``H1Protocol`` adds, per connection:
   list, or any ``Transfer-Encoding`` in HTTP/1.0: ``400``), checked before the app sees
   the request.
 
+A response's status line and headers are held until its first body bytes and written with
+them (``_HeadCork``): a JSON answer goes out in one write (one syscall, one TCP segment)
+instead of two; a head whose body does not follow within the same turn of the loop (a stream
+waiting for its first event) is written alone on the next turn.
+
 A response body may also be written from a callback (``scope[WRITER]``, a
 ``_ChunkWriter``): the relay's ``Splice`` writes SSE events as the upstream delivers them.
 
@@ -202,6 +207,7 @@ class H1Protocol(HttpToolsProtocol):
             cycle = self.cycle
             if cycle is not None and cycle.scope is self.scope:  # not for an upgrade: no cycle of its own
                 self.scope[WRITER] = _ChunkWriter(cycle)
+                cycle.transport = _HeadCork(cycle, self.transport, self.loop)
 
     def _check_framing(self) -> None:
         """Host and Transfer-Encoding as RFC 9112 3.2 and 6.1 have a server check them."""
@@ -290,6 +296,52 @@ class _ChunkWriter:
             return False
         cycle.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
         return not cycle.flow.write_paused
+
+
+class _HeadCork:
+    """A response's transport until its first write after the head: the first bytes written
+    (the status line and headers, or a ``100 Continue``) are held and go out with the next
+    ones, in one write, or alone on the loop's next turn if none follow in this one. Then
+    the cycle gets its real transport back, so the body's writes pay nothing for this."""
+
+    __slots__ = ("_cycle", "_transport", "_loop", "_held")
+
+    def __init__(self, cycle, transport, loop) -> None:
+        self._cycle = cycle
+        self._transport = transport
+        self._loop = loop
+        self._held: bytes | None = None
+
+    def write(self, data: bytes) -> None:
+        held = self._held
+        if held is None and self._cycle is not None:
+            self._held = data
+            self._loop.call_soon(self.flush)  # nothing is held past this turn of the loop
+            return
+        self._held = None
+        self._release()
+        self._transport.write(held + data if held is not None else data)
+
+    def flush(self) -> None:
+        held = self._held
+        self._held = None
+        self._release()
+        if held is not None and not self._transport.is_closing():
+            self._transport.write(held)
+
+    def _release(self) -> None:
+        cycle = self._cycle
+        if cycle is not None:
+            self._cycle = None
+            if cycle.transport is self:
+                cycle.transport = self._transport
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)
 
 
 class _HeadDeadline(Watch):

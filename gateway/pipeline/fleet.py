@@ -18,8 +18,8 @@ import asyncio
 import contextlib
 import importlib
 import logging
+import os
 import time
-import uuid
 from collections.abc import Iterator
 
 import orjson
@@ -453,9 +453,19 @@ def _request_id(policy: str, ctx: RequestContext) -> list[tuple[bytes, bytes]]:
     """The ``x-request-id`` an endpoint gets (``endpoints[].request_id``), noted for the log."""
     if policy == "off":
         return []
-    rid = ctx.request_id if policy == "passthrough" else str(uuid.uuid4()).encode()
+    rid = ctx.request_id if policy == "passthrough" else uuid4_text()
     ctx.served.upstream_request_id = rid
     return [(b"x-request-id", rid)]
+
+
+def uuid4_text() -> bytes:
+    """A random (version 4) UUID in its text form, as ``str(uuid.uuid4())`` writes it,
+    without building a ``UUID`` (a fifth of the cost)."""
+    h = os.urandom(16).hex()
+    return f"{h[:8]}-{h[8:12]}-4{h[13:16]}-{_VARIANT[h[16]]}{h[17:20]}-{h[20:]}".encode()
+
+
+_VARIANT = {c: "89ab"[int(c, 16) & 3] for c in "0123456789abcdef"}  # RFC 9562: the top bits 10
 
 
 def _open_geo(config) -> GeoLocator | None:
