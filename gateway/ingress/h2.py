@@ -177,6 +177,12 @@ class H2ServerProtocol(asyncio.Protocol):
         self._closed = True
         self._lost = True
         self._inbox.clear()
+        # h2's connection refers to itself (its frame dispatch table holds its own bound
+        # methods), so only a full collection of the cyclic garbage collector would free it,
+        # with whatever it buffered: a flood's half-sent header block (up to the block cap),
+        # its streams, its HPACK tables. Emptied now, it is freed as the last reference goes;
+        # nothing calls it after this (every caller checks ``_closed`` first).
+        vars(self._h2).clear()
         self._server_state.connections.discard(self)
         if self._idle is not None:
             self._idle.cancel()

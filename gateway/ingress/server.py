@@ -35,9 +35,10 @@ __all__ = ["AltSvcApp", "Server", "tls_context"]
 logger = logging.getLogger("edgegw.ingress")
 
 _ALT_SVC_MAX_AGE = 86400
-_TRIM_EVERY_S = 1.0  # how often the connection count is looked at
-_FREE_EVERY = 10  # and malloc's free bytes, every this many looks: mallinfo2 walks the free lists (7.5 ms with 200,000 free chunks)
-_TRIM_AFTER = 100  # connections gone since the last look's peak: give their memory back
+_TRIM_EVERY_S = 0.5  # how often the count of closed connections is looked at
+_FREE_EVERY = 20  # and malloc's free bytes, every this many looks: mallinfo2 walks the free lists (7.5 ms with 200,000 free chunks)
+_TRIM_AFTER = 100  # connections gone since the last trim: give their memory back
+_TRIM_SETTLED = 16  # or this many, and none gone during the last look: a flood's tail
 _TRIM_FREED_BYTES = 32 << 20  # or malloc's free lists grew this much since the last trim (short-lived connections by the thousand)
 
 
@@ -73,14 +74,29 @@ def _free_heap_bytes():
     return lambda: mallinfo2().fordblks
 
 
-def should_trim(count: int, peak: int, freed: int) -> bool:
-    """Whether to give freed memory back now: the open connections fell by ``_TRIM_AFTER``
-    from their peak since the last trim, or malloc's free lists grew by ``_TRIM_FREED_BYTES``
-    over their low since then (``freed``; a flood of connections that each lived for
-    milliseconds never shows in the count of open ones). ``malloc_trim`` gives the pages
-    back but leaves the chunks on the free lists, so the growth, not the total, is what
+def should_trim(gone: int, freed: int, settled: bool = False) -> bool:
+    """Whether to give freed memory back now: ``_TRIM_AFTER`` connections have closed since
+    the last trim (``gone``: counted as they close, so a flood of connections that each
+    lived for milliseconds counts as much as a crowd that leaves at once), or
+    ``_TRIM_SETTLED`` have and none closed during the last look (``settled``: the churn is
+    over, and a trim in the middle of it gave back only what lay between live connections),
+    or malloc's free lists grew by ``_TRIM_FREED_BYTES`` over their low since then
+    (``freed``: what the requests of long-lived connections left). ``malloc_trim`` gives the
+    pages back but leaves the chunks on the free lists, so the growth, not the total, is what
     says there is something new to give back."""
-    return peak - count >= _TRIM_AFTER or freed >= _TRIM_FREED_BYTES
+    return gone >= _TRIM_AFTER or (settled and gone >= _TRIM_SETTLED) or freed >= _TRIM_FREED_BYTES
+
+
+class _Connections(set):
+    """uvicorn's set of open connections (``server_state.connections``), which also counts
+    the connections that have left it (``gone``), for the memory trimmer."""
+
+    gone = 0
+
+    def discard(self, connection) -> None:
+        if connection in self:
+            self.gone += 1
+            super().discard(connection)
 
 
 class AltSvcApp:
@@ -165,6 +181,7 @@ class Server(uvicorn.Server):
         limits: LimitSettings | None = None,
     ) -> None:
         super().__init__(config)
+        self.server_state.connections = _Connections()
         self.listen = listen
         self.high_water = high_water
         self.reuse_port = reuse_port
@@ -248,20 +265,18 @@ class Server(uvicorn.Server):
         so, looked at every ``_TRIM_EVERY_S`` (the free bytes every ``_FREE_EVERY`` looks)."""
         connections = self.server_state.connections
         free_bytes = _free_heap_bytes() or (lambda: 0)
-        peak = len(connections)
+        gone = closed = getattr(connections, "gone", 0)  # connections closed: at the last trim, at the last look
         low = free_bytes()  # malloc's free bytes: their low since the last trim
         free = low
         for look in itertools.count(1):
             await asyncio.sleep(_TRIM_EVERY_S)
-            count = len(connections)
             if look % _FREE_EVERY == 0:
                 free = free_bytes()
                 low = min(low, free)
-            if count > peak:
-                peak = count
-            elif should_trim(count, peak, free - low):
+            closed, before = getattr(connections, "gone", 0), closed
+            if should_trim(closed - gone, free - low, settled=closed == before):
                 trim(0)
-                peak, low = count, free
+                gone, low = closed, free
 
     async def shutdown(self, sockets=None) -> None:
         if self._trimmer is not None:
