@@ -132,7 +132,8 @@ class RequestContext:
         self.charge = Charge()
         self.served = Served()
         self.delivery = Delivery()
-        self.trace = Trace(_trace_id(self.headers.get("traceparent")))
+        traceparent = self.headers.get("traceparent")
+        self.trace = Trace(_trace_id(traceparent) if traceparent else None)
         self.count_usage = False  # usage.enabled: the answer's usage is read for the tenant's counts
         self.generation: Any = None  # the configuration it was admitted under (gateway.admission.Generation)
 

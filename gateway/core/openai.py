@@ -35,7 +35,10 @@ LARGE = 64 * 1024  # bytes of body beyond which the work that grows with it goes
 
 
 class ParsedRequest:
-    __slots__ = ("kind", "data", "_body", "size", "model", "stream", "include_usage", "path", "content_type", "_estimate")
+    __slots__ = (
+        "kind", "data", "_body", "size", "model", "stream", "include_usage", "path", "content_type", "passthrough", "large",
+        "_estimate",
+    )
 
     def __init__(
         self, kind: str, data: dict[str, Any], body: bytes | None, size: int, path: bytes | None = None, content_type: bytes | None = None
@@ -50,6 +53,8 @@ class ParsedRequest:
         self.include_usage = bool(isinstance(options, dict) and options.get("include_usage"))
         self.path = path  # a pass-through request: its path below the base URL (b"/embeddings"); None: chat or completion
         self.content_type = content_type  # a body that is not JSON (multipart audio): its Content-Type, forwarded
+        self.passthrough = path is not None  # another API's request, relayed as it came
+        self.large = size > LARGE  # work that grows with the body (hashing, serialising) belongs on a thread
         self._estimate: tuple[float, tuple[int, bool]] | None = None
 
     def prompt_estimate(self, chars_per_token: float) -> tuple[int, bool]:
@@ -60,15 +65,6 @@ class ParsedRequest:
             estimate = self._estimate = (chars_per_token, estimate_prompt_tokens(self.data, chars_per_token))
         return estimate[1]
 
-    @property
-    def passthrough(self) -> bool:
-        return self.path is not None
-
-    @property
-    def large(self) -> bool:
-        """Whether work that grows with this body (hashing, serialising) belongs on a thread,
-        not on the event loop."""
-        return self.size > LARGE
 
     def with_fields(self, **fields: Any) -> ParsedRequest:
         """A copy with fields rewritten (its body serialised when it is sent). A form body

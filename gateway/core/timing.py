@@ -63,11 +63,9 @@ class Timing:
         return time.perf_counter() - self.start
 
     def header(self) -> bytes:
-        parts = []
-        for name, seconds, desc in self.stages:
-            part = f"{name};dur={seconds * 1000:.3f}"
-            if desc:
-                part += f';desc="{desc}"'
-            parts.append(part)
-        parts.append(f"total;dur={self.elapsed() * 1000:.3f}")
+        parts = [
+            f'{name};dur={seconds * 1000:.3f};desc="{desc}"' if desc else f"{name};dur={seconds * 1000:.3f}"
+            for name, seconds, desc in self.stages
+        ]
+        parts.append(f"total;dur={(time.perf_counter() - self.start) * 1000:.3f}")
         return ", ".join(parts).encode()

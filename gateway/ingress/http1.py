@@ -181,12 +181,14 @@ class H1Protocol(HttpToolsProtocol):
         self._head_size += len(name) + len(value) + 4
         if self._head_size > self.limits.max_header_bytes:
             raise _TooLarge(too_many_bytes(self.limits.max_header_bytes))
-        lower = name.lower()
-        if lower == b"host":
+        name = name.lower()
+        if name == b"host":
             self._hosts += 1
-        elif lower == b"transfer-encoding":
+        elif name == b"transfer-encoding":
             self._codings.append(value)
-        super().on_header(name, value)
+        elif name == b"expect" and value.lower() == b"100-continue":  # uvicorn's on_header, inlined
+            self.expect_100_continue = True
+        self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         self._in_head = False

@@ -171,16 +171,16 @@ def _take_usage(ctx: RequestContext, events: bytes, hide: bool) -> bytes:
 def note_usage(ctx: RequestContext, answer: dict) -> None:
     """Note an answer's (or usage chunk's) ``usage`` in ``ctx.charge``: its total for the
     tenant's token rate, its prompt and completion tokens for the tenant's usage."""
-    charge = ctx.charge
-    charge.usage = usage_tokens(answer)
     usage = answer.get("usage") if isinstance(answer, dict) else None
-    if isinstance(usage, dict):
-        charge.prompt_used = _count(usage.get("prompt_tokens"))
-        charge.completion_used = _count(usage.get("completion_tokens"))
-
-
-def _count(value) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+    if not isinstance(usage, dict):
+        ctx.charge.usage = None
+        return
+    charge = ctx.charge
+    total, prompt, completion = usage.get("total_tokens"), usage.get("prompt_tokens"), usage.get("completion_tokens")
+    # ``type(x) is int``: not a bool, a float or a string a server put there
+    charge.usage = total if type(total) is int else None
+    charge.prompt_used = prompt if type(prompt) is int and prompt >= 0 else None
+    charge.completion_used = completion if type(completion) is int and completion >= 0 else None
 
 
 def usage_tokens(answer: dict) -> int | None:
