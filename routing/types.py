@@ -122,7 +122,10 @@ class Target:
         }
 
 
-@dataclass(frozen=True, slots=True)
+# RouteRequest and RouteDecision are values (nothing assigns to them once made) but not
+# ``frozen``: a frozen dataclass sets each field through ``object.__setattr__``, about 30
+# calls per request for these two, each made once per request
+@dataclass(slots=True, eq=False)
 class RouteRequest:
     """The features of one request that routing looks at.
 
@@ -162,7 +165,7 @@ def _ascii_line(text: str) -> str:
     return _UNSAFE.sub("?", text)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, eq=False)
 class RouteDecision:
     """Where to send a request, what to try next, and why.
 
