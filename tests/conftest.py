@@ -46,6 +46,31 @@ def _one_default_ssl_context():
 _one_default_ssl_context()
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the marks
+def pytest_collection_modifyitems(config, items):
+    """``make test`` runs the suite on two pytest-xdist workers (``--dist loadgroup``), each
+    with its own session. Tests that share an expensive fixture are kept on one worker, so
+    that it is set up once, not once per worker:
+
+    - tests/realworld/: the real servers of its session fixtures (two llama.cpp servers, the
+      engine server and an edgegw tier), started once for the whole run;
+    - the real SmolLM2 engine (``smollm_engine``), loaded once;
+    - a module whose tests share a module-scoped fixture (a model loaded, a gateway with the
+      edge engine started): the whole module on one worker.
+
+    Every other test goes to whichever worker is free. xdist starts the largest groups first."""
+    for item in items:
+        if item.path.is_relative_to(ROOT / "tests" / "realworld"):
+            group = "realworld"
+        elif "smollm_engine" in item.fixturenames:
+            group = "smollm"
+        elif any(defs[-1].scope == "module" for defs in item._fixtureinfo.name2fixturedefs.values()):
+            group = item.nodeid.split("::", 1)[0]
+        else:
+            continue
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 class GatewayThread:
     """The gateway app under uvicorn, on its own event loop in a thread."""
 

@@ -56,9 +56,8 @@ class Observer:
                 kind,
                 Observation(time.monotonic(), stages, first, tpot, ctx.charge.prompt_tokens, status < 400, delivery.gaps),
             )
-        prompt, completion = _tokens(ctx)
         if self.usage is not None and tenant is not None and kind != "none" and status:
-            self.usage.record(tenant.name, served.model or ctx.model, served.via, prompt, completion)
+            self.usage.record(tenant.name, served.model or ctx.model, served.via, *_tokens(ctx))
         if self.tracing is not None:
             self.tracing.finish(ctx, total)
         if self.access_log:
@@ -74,7 +73,7 @@ class Observer:
                 served.upstream_request_id.decode() if served.upstream_request_id else "-",
                 "-" if ttft is None else f"{ttft * 1000:.1f}ms",
                 total * 1000,
-                _token_text(kind, prompt, completion),
+                _token_text(kind, *_tokens(ctx)),
                 ctx.trace.trace_id or "-",
                 stage_text,
             )
