@@ -19,6 +19,7 @@ from tests.conftest import cluster
 from tests.fakes import free_port
 from tests.fakes_h3 import client_pool, fetch, free_udp_port, ingress_gateways  # noqa: F401 (fixtures)
 from tests.gateway.test_cancellation import raw_request, wait_for
+from tests.waiting import wait_until
 
 INGRESS = [pytest.param("h2", id="http2"), pytest.param("h3", id="http3")]
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}]}
@@ -272,7 +273,11 @@ def test_gateway_to_gateway_over_http3(upstreams, gateways, ingress_gateways, ce
 def start_with_listeners(gateway_processes, config: dict, certificate: tuple[str, str]):
     """A gateway process with ``listen.tls`` and ``listen.http3`` on free ports: (gateway,
     tls port, http3 port). A port found free can be taken before the gateway binds it (the
-    machine is shared): then the gateway exits at start-up, and it is tried on others."""
+    machine is shared): then the gateway exits at start-up, and it is tried on others.
+
+    The process answers ``/healthz`` on its plain port before it has bound these two (they
+    are opened after uvicorn's own start-up): it is handed back once its log says that the
+    HTTP/3 listener, the last one opened, is up."""
     certfile, keyfile = certificate
     for attempt in range(3):
         tls_port, h3_port = free_port(), free_udp_port()
@@ -281,8 +286,21 @@ def start_with_listeners(gateway_processes, config: dict, certificate: tuple[str
             "http3": {"port": h3_port, "certfile": certfile, "keyfile": keyfile},
         }
         try:
-            return gateway_processes({**config, "listen": listen}), tls_port, h3_port
+            gw = gateway_processes({**config, "listen": listen})
+            wait_until(lambda: _listeners_opened(gw, h3_port), 30, "the gateway's HTTPS and HTTP/3 listeners")
+            return gw, tls_port, h3_port
         except RuntimeError as exc:
-            if "address already in use" not in str(exc) or attempt == 2:
+            if "address already in use" not in str(exc).lower() or attempt == 2:
                 raise
     raise AssertionError("unreachable")
+
+
+def _listeners_opened(gw, h3_port: int) -> bool:
+    """Its log says the HTTP/3 listener is up; ``RuntimeError`` with the log if it exited
+    (a port taken before it bound it: ``address already in use``)."""
+    log = gw.log.read_text(errors="replace")
+    if f"HTTP/3 on udp://127.0.0.1:{h3_port}" in log:
+        return True
+    if gw.proc.poll() is not None:
+        raise RuntimeError(f"gateway exited: {log}")
+    return False
