@@ -43,8 +43,12 @@ $(TEST_STAMP): $(STAMP) tests/clients/node/package-lock.json
 	npm ci --prefix tests/clients/node --no-audit --no-fund
 	touch $(TEST_STAMP)
 
+# On two pytest-xdist workers (TEST_WORKERS=auto: one per core), grouped so that the tests
+# sharing a real server or a loaded model run on one worker and start it once (tests/conftest.py)
+TEST_WORKERS ?= 2
+
 test: $(TEST_STAMP)
-	$(PY) -m pytest -q --ignore=tests/deploy
+	$(PY) -m pytest -q --ignore=tests/deploy -n $(TEST_WORKERS) --dist loadfile
 
 # `make test` three times in a row beside a CPU hog (one busy process per core): the suite
 # must not depend on a quiet machine (scripts/test-under-load.sh)

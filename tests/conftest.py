@@ -46,29 +46,32 @@ def _one_default_ssl_context():
 _one_default_ssl_context()
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the marks
-def pytest_collection_modifyitems(config, items):
-    """``make test`` runs the suite on two pytest-xdist workers (``--dist loadgroup``), each
-    with its own session. Tests that share an expensive fixture are kept on one worker, so
-    that it is set up once, not once per worker:
+# Test files whose session fixtures are shared with other files: each group runs on one
+# pytest-xdist worker, which starts those fixtures once (not once per worker).
+SHARED_SESSION_FIXTURES = {
+    # llama.cpp's servers, the engine server and an edgegw tier (tests/realworld/conftest.py)
+    "tests/realworld/": "tests/realworld/",
+    # the real SmolLM2 engine, loaded once (smollm_engine, tests/edge_engine/conftest.py)
+    "tests/edge_engine/test_real_model": "tests/edge_engine/test_real_model*.py",
+}
 
-    - tests/realworld/: the real servers of its session fixtures (two llama.cpp servers, the
-      engine server and an edgegw tier), started once for the whole run;
-    - the real SmolLM2 engine (``smollm_engine``), loaded once;
-    - a module whose tests share a module-scoped fixture (a model loaded, a gateway with the
-      edge engine started): the whole module on one worker.
 
-    Every other test goes to whichever worker is free. xdist starts the largest groups first."""
-    for item in items:
-        if item.path.is_relative_to(ROOT / "tests" / "realworld"):
-            group = "realworld"
-        elif "smollm_engine" in item.fixturenames:
-            group = "smollm"
-        elif any(defs[-1].scope == "module" for defs in item._fixtureinfo.name2fixturedefs.values()):
-            group = item.nodeid.split("::", 1)[0]
-        else:
-            continue
-        item.add_marker(pytest.mark.xdist_group(group))
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: this conftest also loads without it
+def pytest_xdist_make_scheduler(config, log):
+    """``make test`` runs the suite on two pytest-xdist workers with ``--dist loadfile``: the
+    tests of one file run on one worker, which sets up a module-scoped fixture (a model
+    loaded, a gateway with the edge engine) once. Here loadfile also keeps the files of each
+    entry of ``SHARED_SESSION_FIXTURES`` on one worker. Any other ``--dist`` is xdist's own."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedFixturesFileScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return next((unit for prefix, unit in SHARED_SESSION_FIXTURES.items() if path.startswith(prefix)), path)
+
+    return SharedFixturesFileScheduling(config, log)
 
 
 class GatewayThread:
