@@ -6,7 +6,8 @@ machine refuses to send a thousand PINGs or an endless header block), over TLS w
 as an asyncio protocol. ``H3Client``: aioquic's QUIC client with its HTTP/3 layer, for the
 frames the gateway's own HTTP/3 pool never sends (``h3_connect``).
 
-``RawH2.connect(port, ca_file)`` sends the preface and an empty SETTINGS, and parses what
+``RawH2.connect(port, ca_file)`` sends the preface and an empty SETTINGS, returns once the
+server's SETTINGS are read and acknowledged (or the connection is lost), and parses what
 the server sends: ``goaway`` (the first GOAWAY frame), ``closed`` (the connection lost),
 ``responses[stream_id]`` (status, headers, body, ended) and ``pings_acked``.
 ``reading=False`` with ``rcvbuf`` is a client that reads nothing.
@@ -77,6 +78,7 @@ class RawH2(asyncio.Protocol):
         self.decoder.max_header_list_size = 1 << 20
         self.goaway: GoAwayFrame | None = None
         self.closed = asyncio.Event()
+        self.greeted = asyncio.Event()  # the server's SETTINGS acknowledged, or the connection lost
         self.responses: dict[int, Response] = {}
         self.pings_acked = 0
         self.next_stream = 1
@@ -100,6 +102,11 @@ class RawH2(asyncio.Protocol):
             client.transport.pause_reading()
         client.write(PREFACE + SettingsFrame(0).serialize())
         await client.drain()
+        if reading:
+            # the ACK of the server's SETTINGS goes out now: sent when they came later, it could
+            # fall inside a header block the caller leaves open (a CONTINUATION flood), where
+            # any other frame is a connection error (PROTOCOL_ERROR), whatever the flood
+            await asyncio.wait_for(client.greeted.wait(), 20)
         return client
 
     # -- asyncio.Protocol ------------------------------------------------------------------
@@ -109,6 +116,7 @@ class RawH2(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self.closed.set()
+        self.greeted.set()
         for event in self._ended.values():
             event.set()
         if self._writable is not None and not self._writable.done():
@@ -219,6 +227,7 @@ class RawH2(asyncio.Protocol):
         elif isinstance(frame, SettingsFrame):
             if "ACK" not in frame.flags:
                 self.write(SettingsFrame(0, flags=["ACK"]).serialize())
+                self.greeted.set()
         elif isinstance(frame, (HeadersFrame, DataFrame, RstStreamFrame)):
             response = self.responses.setdefault(frame.stream_id, Response())
             if isinstance(frame, HeadersFrame):
