@@ -148,13 +148,15 @@ def request_from_openai(
     budget_ms: float | None = None,
     api: str = "chat",
     prompt_estimate: tuple[int, bool] | None = None,
+    prefix: bool = True,
 ) -> RouteRequest:
     """Build the ``RouteRequest`` for a ``/v1/chat/completions`` or ``/v1/completions`` body
     (or, with ``api``, another API's JSON body: ``embeddings``, ``responses``...).
 
     ``budget_ms``: the request's TTFT budget as its caller decided it (``budget_of`` reads
     the header; the gateway's ``Deadline`` holds it); ``None``: the policy's default applies.
-    ``prompt_estimate``: ``estimate_prompt_tokens`` of the body, when the caller has it.
+    ``prompt_estimate``: ``estimate_prompt_tokens`` of the body, when the caller has it;
+    ``prefix``: False when there is no endpoint to choose by its prefix cache (no blocks).
     """
     pol = config.policy
     tokens, attached = prompt_estimate or estimate_prompt_tokens(body, pol.chars_per_token)
@@ -164,7 +166,7 @@ def request_from_openai(
     tools = body.get("tools") or body.get("functions")
     key, source = affinity_key(body, headers, config)
     load = config.load
-    blocks = prompt_blocks(prompt_text(body), load.prefix_block_chars, load.prefix_max_blocks) if load.prefix else ()
+    blocks = prompt_blocks(prompt_text(body), load.prefix_block_chars, load.prefix_max_blocks) if load.prefix and prefix else ()
     model = body.get("model")
     return RouteRequest(
         model=model if isinstance(model, str) and model else "auto",

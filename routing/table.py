@@ -62,6 +62,7 @@ class RoutingTable:
         "default_region",
         "trusted_proxies",
         "central_model",
+        "endpoint_choice",
         "_by_model",
         "_routes",
         "_coords",
@@ -89,6 +90,9 @@ class RoutingTable:
             for m in c.models:
                 by_model.setdefault(m, []).append(c)
         self._by_model = {m: tuple(cs) for m, cs in by_model.items()}
+        # with one endpoint or none there is nothing to choose between: a prompt's prefix
+        # blocks (what each endpoint probably caches) would be hashed for nothing
+        self.endpoint_choice = sum(len(c.endpoints) for c in clusters.values()) > 1
         self._coords = [
             (r.name, r.latitude, r.longitude)
             for r in regions.values()

@@ -122,7 +122,7 @@ class RequestContext:
         client = scope.get("client")
         self.peer: str | None = client[0] if client else None
         self.tenant: Tenant | None = None
-        self.deadline: Deadline = Deadline(None, "none", self.arrival)  # admission sets the request's own
+        self.deadline: Deadline = _UNADMITTED  # admission sets the request's own
         self.forward: list[tuple[bytes, bytes]] = []  # the headers that go upstream
         self.body = b""
         self.parsed: ParsedRequest | None = None
@@ -145,6 +145,9 @@ class RequestContext:
     def responded(self) -> None:
         """The answer is complete but for its last send."""
         self.delivery.finished = True
+
+
+_UNADMITTED = Deadline(None, "none", 0.0)  # no budget, nothing enforced: a request's until admission gives it its own
 
 
 def _trace_id(traceparent: str | None) -> str | None:

@@ -99,6 +99,8 @@ class H1Protocol(HttpToolsProtocol):
         self._codings: list[bytes] = []  # Transfer-Encoding values
         self._deadline = _HeadDeadline(self)
         self._dog = watchdog()
+        self._max_count = self.limits.max_header_count  # read for every header
+        self._max_bytes = self.limits.max_header_bytes
 
     # -- the head's deadline ----------------------------------------------------------
 
@@ -109,6 +111,8 @@ class H1Protocol(HttpToolsProtocol):
     def connection_lost(self, exc) -> None:
         self._dog.discard(self._deadline)
         cycle = self.cycle
+        if cycle is not None and type(cycle.transport) is _HeadCork:
+            cycle.transport.flush()  # a response that never wrote: the cork lets go of its cycle
         super().connection_lost(exc)
         if cycle is not None and cycle.disconnected:  # lost before the response was complete
             gone = cycle.scope.get(ON_GONE)
@@ -175,12 +179,12 @@ class H1Protocol(HttpToolsProtocol):
         super().on_url(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._header_count += 1
-        if self._header_count > self.limits.max_header_count:
-            raise _TooLarge(f"a request may have at most {self.limits.max_header_count} headers")
-        self._head_size += len(name) + len(value) + 4
-        if self._head_size > self.limits.max_header_bytes:
-            raise _TooLarge(too_many_bytes(self.limits.max_header_bytes))
+        count = self._header_count = self._header_count + 1
+        if count > self._max_count:
+            raise _TooLarge(f"a request may have at most {self._max_count} headers")
+        size = self._head_size = self._head_size + len(name) + len(value) + 4
+        if size > self._max_bytes:
+            raise _TooLarge(too_many_bytes(self._max_bytes))
         name = name.lower()
         if name == b"host":
             self._hosts += 1
@@ -209,7 +213,8 @@ class H1Protocol(HttpToolsProtocol):
             cycle = self.cycle
             if cycle is not None and cycle.scope is self.scope:  # not for an upgrade: no cycle of its own
                 self.scope[WRITER] = _ChunkWriter(cycle)
-                cycle.transport = _HeadCork(cycle, self.transport, self.loop)
+                if not (self.pipeline and self.pipeline[0][0] is cycle):  # a pipelined one writes when its turn comes
+                    cycle.transport = _HeadCork(cycle, self.transport, self.loop)
 
     def _check_framing(self) -> None:
         """Host and Transfer-Encoding as RFC 9112 3.2 and 6.1 have a server check them."""
@@ -316,27 +321,28 @@ class _HeadCork:
 
     def write(self, data: bytes) -> None:
         held = self._held
-        if held is None and self._cycle is not None:
-            self._held = data
-            self._loop.call_soon(self.flush)  # nothing is held past this turn of the loop
-            return
-        self._held = None
-        self._release()
-        self._transport.write(held + data if held is not None else data)
-
-    def flush(self) -> None:
-        held = self._held
-        self._held = None
-        self._release()
-        if held is not None and not self._transport.is_closing():
-            self._transport.write(held)
-
-    def _release(self) -> None:
         cycle = self._cycle
         if cycle is not None:
+            if held is None:
+                self._held = data
+                self._loop.call_soon(self.flush)  # nothing is held past this turn of the loop
+                return
             self._cycle = None
-            if cycle.transport is self:
-                cycle.transport = self._transport
+            cycle.transport = self._transport  # the cork's part is done
+            self._held = None
+            data = held + data
+        self._transport.write(data)
+
+    def flush(self) -> None:
+        cycle = self._cycle
+        if cycle is None:  # a second write took the head along
+            return
+        self._cycle = None
+        cycle.transport = self._transport
+        held = self._held
+        self._held = None
+        if held is not None and not self._transport.is_closing():
+            self._transport.write(held)
 
     def close(self) -> None:
         self.flush()

@@ -122,24 +122,25 @@ class Usage:
         tokens are counted as cached."""
         if not self.settings.enabled:
             return
-        saved = target in _SAVED
-        cached = prompt + completion if saved else 0
-        if saved:
-            prompt = completion = 0
+        if target in _SAVED:
+            cached, prompt, completion = prompt + completion, 0, 0
+        else:
+            cached = 0
+        totals = self._totals
         key = (tenant, model, target)
-        total = self._totals.get(key)
+        total = totals.get(key)
         if total is None:
-            total = self._totals[key] = [0, 0, 0, 0]
+            total = totals[key] = [0, 0, 0, 0]
         total[0] += 1
         total[1] += prompt
         total[2] += completion
         total[3] += cached
-        now = time.time() if now is None else now
-        hour = int(now // _HOUR_S)
+        hour = int((time.time() if now is None else now) // _HOUR_S)
         if hour != self._hour[0]:
-            self._hour = (hour, month_of(now))  # formatting a date costs more than the rest together
+            self._hour = (hour, month_of(hour * _HOUR_S))  # formatting a date costs more than the rest together
+        shared = self._redis is not None
+        store = self._pending if shared else self._hours
         bucket = (hour, tenant, model)
-        store = self._pending if self._redis is not None else self._hours
         counts = store.get(bucket)
         if counts is None:
             counts = store[bucket] = [0, 0, 0, 0]
@@ -148,7 +149,7 @@ class Usage:
         counts[2] += completion
         counts[3] += cached
         if prompt or completion:
-            months = self._pending_months if self._redis is not None else self._months
+            months = self._pending_months if shared else self._months
             month = (self._hour[1], tenant)
             months[month] = months.get(month, 0) + prompt + completion
 

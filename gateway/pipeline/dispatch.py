@@ -89,7 +89,7 @@ class Dispatcher:
         features = functools.partial(
             request_from_openai,
             parsed.data, headers, fleet.routing, client_ip=ip, location=location, budget_ms=budget_ms, api=parsed.kind,
-            prompt_estimate=parsed.prompt_estimate(fleet.routing.policy.chars_per_token),
+            prompt_estimate=parsed.prompt_estimate(fleet.routing.policy.chars_per_token), prefix=table.endpoint_choice,
         )
         # the affinity key hashes the leading messages: on a thread when they are large
         request = await asyncio.to_thread(features) if parsed.large else features()
