@@ -251,3 +251,37 @@ def test_requests_and_their_connection_leave_nothing_to_the_garbage_collector(gw
         gc.garbage.clear()
         gc.enable()
     assert not ours, ours
+
+
+def test_a_json_answer_goes_out_in_one_write(gw):
+    """Its status line, headers and body leave in one write (one syscall, one segment),
+    not the head and then the body; a stream's head still goes out on its own, before
+    its first event."""
+    sock = connect(gw)
+    try:
+        protocol = wait_until(
+            lambda: next(iter(gw.server.server_state.connections), None), what="the gateway's side of the connection"
+        )
+        writes: list[bytes] = []
+        real = protocol.transport
+
+        class Spy:
+            def write(self, data: bytes) -> None:
+                writes.append(bytes(data))
+                real.write(data)
+
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+        protocol.transport = Spy()  # what the next request's response is written through
+        body = json.dumps(CHAT).encode()
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\nconnection: close\r\n\r\n%b" % (len(body), body)
+        )
+        answer = read_all(sock)
+    finally:
+        sock.close()
+    assert answer.startswith(b"HTTP/1.1 200 ")
+    assert json.loads(answer.partition(b"\r\n\r\n")[2])["object"] == "chat.completion"
+    assert writes == [answer], [w[:60] for w in writes]
