@@ -13,6 +13,7 @@ from edge_engine import EngineOverloadedError, InvalidRequestError, OpenAIServin
 from edge_engine.server import create_app
 from tests.edge_engine.conftest import make_engine
 from tests.edge_engine.costs import freeze
+from tests.waiting import eventually
 
 CHAT = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 8, "temperature": 0}
 
@@ -233,6 +234,9 @@ async def test_a_deadline_that_passes_in_the_queue_is_504(tiny_gguf):
             # the only batch slot, held by a stream nobody reads (paused by flow control)
             blocker = engine.generate("Hello", SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
             await blocker.__anext__()
+            # paused: no step of it in flight, whose lateness on a busy machine admission would
+            # add to the prediction (and refuse at once, 503, instead of admitting)
+            await eventually(lambda: engine.stats().num_paused == 1, what="the unread stream to be paused")
             for stream in (False, True):
                 budget = {"x-latency-budget-ms": "30"}
                 r = await asyncio.wait_for(client.post("/v1/chat/completions", json={**CHAT, "stream": stream}, headers=budget), 10)
