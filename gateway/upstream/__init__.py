@@ -94,7 +94,11 @@ class Upstream:
         done = asyncio.Event()
         self._aside = done
         try:
-            return await asyncio.wait_for(self.client.get(path), timeout)
+            response = await asyncio.wait_for(self.client.get(path), timeout)
+            # httpx binds a response's stream to the response (a reference cycle, left to the
+            # garbage collector with the pool's response under it); the body is read: let go
+            response.stream = httpx.ByteStream(response.content)
+            return response
         finally:
             if self._aside is done:
                 self._aside = None
