@@ -63,7 +63,9 @@ def httpx_fetch(client: httpx.AsyncClient) -> Fetch:
 
     async def fetch(path: str) -> tuple[int, bytes]:
         response = await client.get(path)
-        return response.status_code, response.content
+        content = response.content
+        response.stream = httpx.ByteStream(content)  # httpx's response-stream cycle, undone (the body is read)
+        return response.status_code, content
 
     return fetch
 
