@@ -73,6 +73,10 @@ class _H1Connection(asyncio.Protocol):
         if body is not None and not body.is_complete:
             body.feed_error(UpstreamProtocolError("upstream closed the connection mid-response"))
         self._pool._lost(self)
+        # the parser and the body call back into this connection, which holds both: let go of
+        # them, so that a closed connection is freed at once, not by the garbage collector
+        self._parser = None
+        self._body = None
 
     def data_received(self, data: bytes) -> None:
         self._got_bytes = True

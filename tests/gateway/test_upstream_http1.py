@@ -186,3 +186,34 @@ async def test_warm_connections_are_opened_and_kept():
         await pool.warm()
         assert pool.num_connections == 3 and pool.num_idle == 3
         await pool.aclose()
+
+
+async def test_a_connection_the_server_closed_is_freed_without_the_garbage_collector():
+    """Its parser and its last body call back into it, and it holds both: once the server
+    has closed it, it lets go of them, so nothing of it waits for the collector (beside a
+    busy machine, an upstream closing kept-alive connections left them in every window)."""
+    import gc
+    import weakref
+
+    async def script(reader, writer):
+        await server.read_request(reader)
+        writer.write(OK)
+        await writer.drain()  # then the server closes the connection
+
+    async with Server(script) as server:
+        pool = server.pool()
+        response = await pool.request(b"POST", b"/x", [], b"{}")
+        assert await response.body.read_all(1, 100) == b"ok"
+        connection = weakref.ref(pool._all.copy().pop())
+        del response
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            await eventually(lambda: connection() is None or connection().is_closed, what="the server's close")
+            for _ in range(3):
+                await asyncio.sleep(0)
+            assert connection() is None
+        finally:
+            if enabled:
+                gc.enable()
+        await pool.aclose()
