@@ -189,6 +189,7 @@ class _Child:
         self.started_at = 0.0
         self.backoff = 0.0
         self.restart_at: float | None = None
+        self.last_exitcode: int | None = None  # how the last process ended (``exited``)
 
     def start(self, context) -> None:
         if self.heartbeat is not None:
@@ -223,7 +224,7 @@ class _Child:
 
     def exited(self, now: float) -> float:
         """The process has ended unasked: when to start it again."""
-        code = self.process.exitcode
+        code = self.last_exitcode = self.process.exitcode
         young = now - self.started_at < _YOUNG_S
         self.backoff = min(_BACKOFF_MAX_S, self.backoff * 2) if young and self.backoff else _BACKOFF_FIRST_S
         how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit status {code}"
@@ -352,7 +353,9 @@ class Supervisor:
                     logger.info("edge engine ready (pid %d)", engine.process.pid)
                 elif not engine.is_alive or now > load_deadline:
                     # a model that cannot load fails the same way every time: stop, as one process would
-                    why = f"exited while starting (exit status {engine.process.exitcode})" if not engine.is_alive else f"did not start within {_ENGINE_START_S:.0f} s"
+                    # (it may have been seen to end, and be waiting to start again, already)
+                    code = engine.process.exitcode if engine.process is not None else engine.last_exitcode
+                    why = f"exited while starting (exit status {code})" if not engine.is_alive else f"did not start within {_ENGINE_START_S:.0f} s"
                     logger.error("the edge engine %s: stopping the node", why)
                     self._stopping, status = True, 1
                     break
