@@ -130,8 +130,10 @@ def test_serves_the_edge_model_metrics_health_and_drains(podman, container):
     # SIGTERM with a stream in flight: the stream finishes, the container exits 0
     stream_body = {
         "model": "smollm2-135m-instruct",
-        "messages": [{"role": "user", "content": "Count from 1 to 40, one number per line."}],
-        "max_tokens": 48,
+        # long enough to be still under way when the SIGTERM lands: `podman stop` itself takes
+        # a second to start, in which the engine of a fast CPU writes a hundred tokens
+        "messages": [{"role": "user", "content": "Count from 1 to 400, one number per line."}],
+        "max_tokens": 400,
         "temperature": 0,
         "stream": True,
     }
