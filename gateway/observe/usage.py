@@ -77,6 +77,8 @@ class Usage:
         self._months: dict[tuple[str, str], int] = {}  # memory store: (YYYYMM, tenant) -> prompt + completion
         self._pending: dict[tuple[int, str, str], list[int]] = {}  # not yet in Redis
         self._pending_months: dict[tuple[str, str], int] = {}
+        self._flushing_months: dict[tuple[str, str], int] = {}  # taken by the flush in flight, not yet confirmed
+        self._redis_turn = asyncio.Lock()  # a flush and a month read never overlap (see month_tokens)
         self._read: dict[tuple[str, str], tuple[float, int]] = {}  # Redis month totals read: (monotonic, value)
         self._redis = None
         self._task: asyncio.Task | None = None
@@ -157,19 +159,24 @@ class Usage:
 
     async def month_tokens(self, tenant: str, now: float | None = None) -> int:
         """``tenant``'s prompt + completion tokens this calendar month (UTC): the fleet's, as
-        last read from Redis (at most ``flush_interval_s`` ago), plus this process's unflushed."""
+        last read from Redis (at most ``flush_interval_s`` ago), plus this process's unflushed
+        (and what a flush in flight has taken but Redis has not confirmed).
+
+        A read of Redis waits for a flush in flight: read while its increments were landing,
+        the figure would hold them or not, and adding the flushed counts on top would count
+        them twice or not at all."""
         now = time.time() if now is None else now
         month = (month_of(now), tenant)
         if self._redis is None:
             return self._months.get(month, 0)
-        local = self._pending_months.get(month, 0)
         read = self._read.get(month)
         clock = time.monotonic()
         if read is None or clock - read[0] >= self.settings.flush_interval_s:
-            value = await self._call(self._redis.hget(self._month_key(month[0]), tenant))
-            if value is not None or read is None:
-                read = self._read[month] = (clock, int(value or 0))
-        return read[1] + local
+            async with self._redis_turn:
+                value = await self._call(self._redis.hget(self._month_key(month[0]), tenant))
+                if value is not None or read is None:
+                    read = self._read[month] = (clock, int(value or 0))
+        return read[1] + self._pending_months.get(month, 0) + self._flushing_months.get(month, 0)
 
     async def query(self, start: float, end: float, tenant: str | None = None) -> list[dict]:
         """Per tenant and model, the counts of the hourly buckets from ``start``'s hour up to
@@ -218,10 +225,17 @@ class Usage:
         next flush. True when nothing is left unflushed."""
         if self._redis is None or not (self._pending or self._pending_months):
             return True
+        async with self._redis_turn:
+            return await self._flush()
+
+    async def _flush(self) -> bool:
+        if not (self._pending or self._pending_months):
+            return True
         if not self._circuit.allow():
             return False
         pending, self._pending = self._pending, {}
         months, self._pending_months = self._pending_months, {}
+        self._flushing_months = months
         ttl = self.settings.retention_days * 86400
         try:
             async with self._redis.pipeline(transaction=False) as pipe:
@@ -245,6 +259,8 @@ class Usage:
             self._circuit.abandon()
             self._merge_back(pending, months)
             raise
+        finally:
+            self._flushing_months = {}
         self._circuit.success()
         for month, value in months.items():  # what this replica read is behind by its own flush
             read = self._read.get(month)

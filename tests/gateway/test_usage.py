@@ -4,6 +4,7 @@ Redis, worker processes for the node's sums."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -203,4 +204,59 @@ async def test_counts_wait_for_redis_and_are_not_lost(namespace):
     rows = await usage.query(now - 3600, now, "acme")
     assert rows == [{"tenant": "acme", "model": "m", "requests": 2, "prompt_tokens": 5, "completion_tokens": 7, "cached_tokens": 12, "total_tokens": 12}]
     assert await usage.month_tokens("acme") == 12  # cache hits are free
+    await usage.aclose()
+
+
+class _HeldPipeline:
+    """The real Redis pipeline of a flush, held after its increments have landed in Redis
+    and before the flush learns so: the window in which a month read used to miss the
+    flushed tokens (the pending counts already taken) or count them twice (read from Redis,
+    then added again by the finishing flush)."""
+
+    def __init__(self, pipeline, landed, release) -> None:
+        self._pipeline, self._landed, self._release = pipeline, landed, release
+
+    async def __aenter__(self):
+        await self._pipeline.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc):
+        return await self._pipeline.__aexit__(*exc)
+
+    def __getattr__(self, name):
+        return getattr(self._pipeline, name)
+
+    async def execute(self):
+        result = await self._pipeline.execute()
+        self._landed.set()
+        await self._release.wait()
+        return result
+
+
+def _hold_flushes(usage: Usage) -> tuple:
+    landed, release = asyncio.Event(), asyncio.Event()
+    real = usage._redis.pipeline
+    usage._redis.pipeline = lambda **kw: _HeldPipeline(real(**kw), landed, release)
+    return landed, release
+
+
+@pytest.mark.parametrize("read_first", [pytest.param(True, id="a-fresh-read"), pytest.param(False, id="no-read-yet")])
+async def test_a_month_read_during_a_flush_counts_the_flushed_tokens_once(namespace, read_first):
+    usage = Usage(UsageSettings(redis_url=REDIS_URL, namespace=namespace, flush_interval_s=60), CollectorRegistry())
+    if read_first:
+        assert await usage.month_tokens("acme") == 0
+    usage.record("acme", "m", "http://e/v1", 5, 8)
+    landed, release = _hold_flushes(usage)
+    flushing = asyncio.create_task(usage.flush())
+    await landed.wait()  # in Redis, not yet confirmed to the flush
+    reading = asyncio.create_task(usage.month_tokens("acme"))
+    # a read of Redis now would see the landed increments: it waits for the flush instead
+    # (the bound gives the read, before the fix, time to finish first and show the double count)
+    await asyncio.wait({reading}, timeout=0.5)
+    if reading.done():  # answered from the last read, with the tokens in flight
+        assert reading.result() == 13
+    release.set()
+    assert await flushing is True
+    assert await reading == 13
+    assert await usage.month_tokens("acme") == 13  # and not twice once the flush is done
     await usage.aclose()
