@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 
+import orjson
 import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -184,6 +185,9 @@ async def main_async(args) -> None:
         finally:
             upstream.stop()
     print(report(trees, results, args.top))
+    if args.json:
+        with open(args.json, "wb") as f:
+            f.write(orjson.dumps(dict(zip(trees, results)), option=orjson.OPT_INDENT_2))
 
 
 def main() -> None:
@@ -192,6 +196,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=500, help="measured non-streaming requests per tree")
     parser.add_argument("--streams", type=int, default=100, help=f"measured SSE streams per tree ({EVENTS} events each)")
     parser.add_argument("--top", type=int, default=15, help="functions listed per comparison")
+    parser.add_argument("--json", help="also write every tree's counts, per function, to this file")
     asyncio.run(main_async(parser.parse_args()))
 
 

@@ -197,7 +197,6 @@ class Gate:
         if self.in_flight >= limits.max_in_flight:
             raise Overloaded("the gateway is at its concurrency limit", retry_after=limits.retry_after_s)
         self.in_flight += 1
-        self.metrics.in_flight.inc()
         ctx.held = Held.GATEWAY
         where = {"path": ctx.path, "content_type": ctx.headers.get("content-type")} if kind == PASSTHROUGH else {}
         ctx.generation = self.generation
@@ -251,7 +250,6 @@ class Gate:
         held = ctx.held  # identity checks: Flag arithmetic is Python code on every request
         if held is not Held.NOTHING:  # the gateway's is taken first
             self.in_flight -= 1
-            self.metrics.in_flight.dec()
             ctx.generation.leave()
         if held is Held.GATEWAY_AND_TENANT:
             ctx.tenant.in_flight -= 1

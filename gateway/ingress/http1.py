@@ -29,6 +29,11 @@ them (``_HeadCork``): a JSON answer goes out in one write (one syscall, one TCP 
 instead of two; a head whose body does not follow within the same turn of the loop (a stream
 waiting for its first event) is written alone on the next turn.
 
+A response's head is written by ``_Cycle.send``: the bytes uvicorn's ``send`` writes, checked
+and lower-cased over all the headers at once (a few C calls) instead of header by header
+(two regular-expression searches, a ``lower`` and three comparisons each: a third of the
+listener's Python work per JSON answer).
+
 A response body may also be written from a callback (``scope[WRITER]``, a
 ``_ChunkWriter``): the relay's ``Splice`` writes SSE events as the upstream delivers them.
 
@@ -44,7 +49,13 @@ import weakref
 import re
 
 import httptools
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import (
+    HEADER_RE,
+    HEADER_VALUE_RE,
+    STATUS_LINE,
+    HttpToolsProtocol,
+    RequestResponseCycle,
+)
 
 from gateway.core.context import ON_GONE, WRITER
 from gateway.core.settings import LimitSettings
@@ -212,6 +223,7 @@ class H1Protocol(HttpToolsProtocol):
             super().on_headers_complete()
             cycle = self.cycle
             if cycle is not None and cycle.scope is self.scope:  # not for an upgrade: no cycle of its own
+                cycle.__class__ = _Cycle  # its task has not run yet: its first send is _Cycle's
                 self.scope[WRITER] = _ChunkWriter(cycle)
                 if not (self.pipeline and self.pipeline[0][0] is cycle):  # a pipelined one writes when its turn comes
                     cycle.transport = _HeadCork(cycle, self.transport, self.loop)
@@ -271,6 +283,52 @@ class H1Protocol(HttpToolsProtocol):
             await send(message)
 
         await too_many_connections(self.limits)(scope, receive, send_and_close)
+
+
+_SPECIAL = frozenset({b"content-length", b"transfer-encoding", b"connection"})
+_HEADER_LINE = b"%b: %b\r\n".__mod__
+_bad_name = HEADER_RE.search
+_bad_value = HEADER_VALUE_RE.search
+
+
+class _Cycle(RequestResponseCycle):
+    """uvicorn's request-response cycle whose ``send`` writes a response's head as
+    uvicorn's does, byte for byte and with the same errors, over all its headers at once:
+    a string that holds a forbidden byte is one whose parts do, so the names are checked
+    joined, and the values joined; the names are lower-cased joined (a valid name holds no
+    newline). The cases it does not do itself (the body, ``Transfer-Encoding`` or
+    ``Connection`` among the headers, an access log, a paused or gone client, a head that
+    is refused) go to uvicorn's ``send``, which starts from the same state."""
+
+    async def send(self, message) -> None:
+        if self.response_started or self.disconnected or self.access_log or self.flow.write_paused:
+            return await super().send(message)
+        headers = self.default_headers + list(message.get("headers", ()))
+        if not headers or message["type"] != "http.response.start":
+            return await super().send(message)
+        names, values = zip(*headers)
+        if _bad_name(b"".join(names)) or _bad_value(b"".join(values)):
+            return await super().send(message)  # raises uvicorn's error for it
+        lowered = b"\n".join(names).lower().split(b"\n")
+        if not _SPECIAL.isdisjoint(lowered):
+            if b"transfer-encoding" in lowered or b"connection" in lowered:
+                return await super().send(message)
+            self.response_started = True
+            self.waiting_for_100_continue = False
+            self.expected_content_length = int(values[lowered.index(b"content-length")].decode())
+            self.chunked_encoding = False
+        else:
+            self.response_started = True
+            self.waiting_for_100_continue = False
+        status = message["status"]
+        content = [STATUS_LINE[status], *map(_HEADER_LINE, zip(lowered, values))]
+        if not self.keep_alive:
+            content.append(b"connection: close\r\n")
+        if self.chunked_encoding is None and status not in (204, 304) and self.scope["method"] != "HEAD":
+            self.chunked_encoding = True
+            content.append(b"transfer-encoding: chunked\r\n")
+        content.append(b"\r\n")
+        self.transport.write(b"".join(content))
 
 
 class _ChunkWriter:

@@ -83,6 +83,7 @@ class Gateway:
         self.metrics.watch(self.fleet.gauges)
         self.metrics.watch(self.slos.gauges)
         self.metrics.watch(self.diagnosis_gauges)
+        self.metrics.watch(self.gate_gauges)
         if self.node is not None:
             self.metrics.watch(self.worker_gauges)
             self.node.beat()  # the parent's proof that this worker's loop runs
@@ -109,6 +110,9 @@ class Gateway:
             kind = "edge" if name == "edge" else "endpoint"
             targets.append({"name": name, "kind": kind, "cluster": clusters.get(name), **self.diagnosis.view(name)})
         return {"time": time.time(), "targets": targets, "slo": self.slos.snapshot()}
+
+    def gate_gauges(self):
+        yield "edgegw_in_flight_requests", "Requests being served.", {}, self.gate.in_flight
 
     def worker_gauges(self):
         yield "edgegw_worker_pid", "The process id of the worker (one series per worker of the node).", {}, os.getpid()

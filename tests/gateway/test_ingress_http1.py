@@ -3,15 +3,21 @@ each is answered in OpenAI-shaped JSON and closed, and nobody else notices."""
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import gc
 import json
+import logging
 import select
 import socket
 import time
 
 import httpx
 import pytest
+from uvicorn.protocols.http.flow_control import FlowControl
+from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+
+from gateway.ingress.http1 import _Cycle
 
 from tests.conftest import cluster
 from tests.waiting import wait_until
@@ -285,3 +291,69 @@ def test_a_json_answer_goes_out_in_one_write(gw):
     assert answer.startswith(b"HTTP/1.1 200 ")
     assert json.loads(answer.partition(b"\r\n\r\n")[2])["object"] == "chat.completion"
     assert writes == [answer], [w[:60] for w in writes]
+
+
+class _Recorder:
+    """A transport that keeps what is written to it (the cycle's only use of its transport
+    while it writes a head)."""
+
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.written.append(bytes(data))
+
+    def is_closing(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        self.written.append(b"<closed>")
+
+
+def _cycle(cls, method: str, keep_alive: bool, default_headers):
+    transport = _Recorder()
+    scope = {"type": "http", "method": method, "http_version": "1.1", "path": "/", "query_string": b"", "headers": []}
+    cycle = cls(scope, transport, FlowControl(transport), logging.getLogger("t"), logging.getLogger("t.a"), False,
+                default_headers, asyncio.Event(), False, keep_alive, lambda: None)
+    return cycle, transport
+
+
+_DATE = [(b"date", b"Wed, 02 Dec 2026 07:00:00 GMT")]
+
+
+@pytest.mark.parametrize(
+    "method, keep_alive, defaults, messages",
+    [
+        pytest.param("POST", True, _DATE, [{"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json"), (b"x-request-id", b"r1"), (b"content-length", b"2")]}, {"type": "http.response.body", "body": b"{}"}], id="json"),
+        pytest.param("POST", True, _DATE, [{"type": "http.response.start", "status": 200, "headers": [(b"Content-Type", b"text/event-stream"), (b"X-Accel-Buffering", b"no")]}, {"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True}, {"type": "http.response.body", "body": b""}], id="stream-chunked-upper-case-names"),
+        pytest.param("POST", False, _DATE, [{"type": "http.response.start", "status": 429, "headers": [(b"retry-after", b"2"), (b"content-length", b"0")]}, {"type": "http.response.body", "body": b""}], id="not-kept-alive"),
+        pytest.param("HEAD", True, [], [{"type": "http.response.start", "status": 200, "headers": [(b"x", b"y")]}, {"type": "http.response.body", "body": b""}], id="head-no-defaults"),
+        pytest.param("GET", True, _DATE, [{"type": "http.response.start", "status": 204, "headers": []}, {"type": "http.response.body", "body": b""}], id="204-defaults-only"),
+        pytest.param("GET", True, [], [{"type": "http.response.start", "status": 304}, {"type": "http.response.body", "body": b""}], id="no-headers-at-all"),
+        pytest.param("GET", True, _DATE, [{"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"3"), (b"Content-Length", b"9")]}, {"type": "http.response.body", "body": b"abc"}], id="content-length-twice"),
+        pytest.param("GET", True, _DATE, [{"type": "http.response.start", "status": 200, "headers": [(b"Transfer-Encoding", b"chunked"), (b"content-length", b"3")]}, {"type": "http.response.body", "body": b"abc"}], id="transfer-encoding"),
+        pytest.param("GET", True, _DATE, [{"type": "http.response.start", "status": 200, "headers": [(b"connection", b"keep-alive, Close"), (b"content-length", b"1")]}, {"type": "http.response.body", "body": b"a"}], id="connection-close"),
+        pytest.param("GET", True, _DATE, [{"type": "http.response.start", "status": 200, "headers": [(b"ok", b"1"), (b"bad name", b"1")]}], id="invalid-name"),
+        pytest.param("GET", True, _DATE, [{"type": "http.response.start", "status": 200, "headers": [(b"ok", b"1\r\nx-injected: 1")]}], id="invalid-value"),
+        pytest.param("GET", True, _DATE, [{"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"ten")]}], id="content-length-not-a-number"),
+        pytest.param("GET", True, _DATE, [{"type": "http.response.start", "status": 999, "headers": []}], id="unknown-status"),
+        pytest.param("GET", True, _DATE, [{"type": "http.response.body", "body": b"x"}], id="body-before-start"),
+        pytest.param("GET", True, _DATE, [{"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"1")]}, {"type": "http.response.body", "body": b"xy"}], id="body-longer-than-its-length"),
+    ],
+)
+async def test_the_listeners_response_head_is_uvicorns_byte_for_byte(method, keep_alive, defaults, messages):
+    """``_Cycle.send`` against uvicorn's own ``RequestResponseCycle.send``, the oracle: the
+    same bytes written, the same error raised, the same state after, for every kind of head."""
+    outcomes = []
+    for cls in (RequestResponseCycle, _Cycle):
+        cycle, transport = _cycle(cls, method, keep_alive, list(defaults))
+        error = None
+        try:
+            for message in messages:
+                await cycle.send(message)
+        except Exception as exc:  # the same class and message from both
+            error = (type(exc), str(exc))
+        state = (cycle.response_started, cycle.response_complete, cycle.chunked_encoding, cycle.expected_content_length, cycle.keep_alive)
+        outcomes.append((transport.written, error, state))
+    assert outcomes[1] == outcomes[0]
+    assert outcomes[0][0] or outcomes[0][1]  # each case writes or refuses something
