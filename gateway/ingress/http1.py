@@ -70,6 +70,7 @@ _REASONS = {
     431: b"Request Header Fields Too Large",
     501: b"Not Implemented",
 }
+_FRAMING = frozenset({b"host", b"transfer-encoding", b"expect"})  # request headers the listener reads itself
 _TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # RFC 9110 5.6.2
 
 
@@ -105,7 +106,6 @@ class H1Protocol(HttpToolsProtocol):
         self._in_head = False  # the head of a request is arriving
         self._head_bytes = 0
         self._head_size = 0
-        self._header_count = 0
         self._hosts = 0
         self._codings: list[bytes] = []  # Transfer-Encoding values
         self._deadline = _HeadDeadline(self)
@@ -177,7 +177,6 @@ class H1Protocol(HttpToolsProtocol):
         self._in_head = True
         self._head_bytes = 0  # bytes received while the head is incomplete (what httptools buffers)
         self._head_size = 0  # the parsed head: URL, names and values
-        self._header_count = 0
         self._hosts = 0
         self._codings = []
         if self._deadline not in self._dog.watches:  # a new connection's first request: from the connect
@@ -190,20 +189,24 @@ class H1Protocol(HttpToolsProtocol):
         super().on_url(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        count = self._header_count = self._header_count + 1
-        if count > self._max_count:
-            raise _TooLarge(f"a request may have at most {self._max_count} headers")
         size = self._head_size = self._head_size + len(name) + len(value) + 4
-        if size > self._max_bytes:
+        headers = self.headers
+        if size > self._max_bytes or len(headers) >= self._max_count:
+            if len(headers) >= self._max_count:
+                raise _TooLarge(f"a request may have at most {self._max_count} headers")
             raise _TooLarge(too_many_bytes(self._max_bytes))
         name = name.lower()
+        if name in _FRAMING:
+            self._framing_header(name, value)
+        headers.append((name, value))
+
+    def _framing_header(self, name: bytes, value: bytes) -> None:
         if name == b"host":
             self._hosts += 1
         elif name == b"transfer-encoding":
             self._codings.append(value)
-        elif name == b"expect" and value.lower() == b"100-continue":  # uvicorn's on_header, inlined
+        elif value.lower() == b"100-continue":  # Expect: uvicorn's on_header, inlined
             self.expect_100_continue = True
-        self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         self._in_head = False

@@ -47,7 +47,7 @@ JITTER_RATIO = 5.0
 @dataclass(slots=True)
 class Observation:
     at: float  # time.monotonic() at the end
-    stages: dict[str, float]  # seconds per stage
+    stages: list[tuple[str, float, str | None]]  # the request's Timing stages: (name, seconds, desc)
     ttft: float | None
     tpot: float | None
     prompt_tokens: int
@@ -96,7 +96,7 @@ class Diagnosis:
         answered = [s for s in samples if s.ok]
         stages: dict[str, list[float]] = {}
         for s in answered:
-            for name, seconds in s.stages.items():
+            for name, seconds, _ in s.stages:
                 stages.setdefault(name, []).append(seconds)
         ttfts = [s.ttft for s in answered if s.ttft is not None]
         tpots = [s.tpot for s in answered if s.tpot is not None]

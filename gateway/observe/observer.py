@@ -35,9 +35,9 @@ class Observer:
         total = timing.elapsed()
         served, delivery = ctx.served, ctx.delivery
         kind = served.target_kind
-        stages = {name: seconds for name, seconds, _ in timing.stages}
+        stages = timing.stages  # (name, seconds, desc), as the stages ended
         children = self.metrics.stage_children(kind)
-        for name, seconds in stages.items():
+        for name, seconds, _ in stages:
             children[name].observe(seconds)
         for name, seconds in served.target_stages:
             children[name].observe(seconds)
@@ -61,7 +61,7 @@ class Observer:
         if self.tracing is not None:
             self.tracing.finish(ctx, total)
         if self.access_log:
-            stage_text = ",".join(f"{name}:{seconds * 1000:.1f}" for name, seconds in (*stages.items(), *served.target_stages))
+            stage_text = ",".join(f"{name}:{seconds * 1000:.1f}" for name, seconds, *_ in (*stages, *served.target_stages))
             access_log.info(
                 "%s %s %s tenant=%s model=%s via=%s upstream_id=%s ttft=%s total=%.1fms tokens=%s trace=%s stages=%s",
                 ctx.request_id.decode(),
