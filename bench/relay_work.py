@@ -9,7 +9,9 @@ tree on a shared 2-core machine, more than the differences an A/B of two trees i
 This counts what the interpreter executes instead: each gateway (``python -m gateway serve``
 from its checkout, started here behind ``bench/fast_upstream.py``, traffic on 127.0.0.1)
 gets the loads of ``bench/relay.py`` (non-streaming chat completions at c=16; 64-token SSE
-streams at c=16), and, for the measured requests only, a trace function
+streams at c=16, their events ``--stream-delay`` apart: unpaced, the events that one read of
+the gateway takes depend on the machine's load, and the count per event with them, by
+±10 % between runs of one tree), and, for the measured requests only, a trace function
 (``sys.settrace`` with ``f_trace_opcodes``, switched on and off by SIGUSR1 / SIGUSR2)
 counts the bytecode instructions and the Python calls (function entries and coroutine
 resumptions) of the gateway's main thread, per code object. Reported: both per request
@@ -42,7 +44,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.processes import Child, free_port, pinned  # noqa: E402
-from bench.relay import EVENTS, GATEWAY_CORE, MODEL, OTHER_CORE, PY, TOKENS, gateway_config, run_phase  # noqa: E402
+from bench.relay import EVENTS, GATEWAY_CORE, MODEL, OTHER_CORE, PY, REQUESTS, TOKENS, _request, gateway_config, run_phase  # noqa: E402
 
 CONCURRENCY = 16
 
@@ -91,7 +93,7 @@ def _function(path: str, root: str, name: str) -> str:
     return path + ": " + name
 
 
-async def count(root: str, tmp: str, upstream_port: int, requests: int, streams: int) -> dict:
+async def count(root: str, tmp: str, upstream_port: int, requests: int, streams: int, delay: float) -> dict:
     """Opcodes and calls per request and per SSE event, and per function, of ``root``'s gateway."""
     port = free_port()
     config = os.path.join(tmp, "gateway.yaml")
@@ -107,9 +109,11 @@ async def count(root: str, tmp: str, upstream_port: int, requests: int, streams:
                    env={"EDGEGW_WORK_OUT": out})
         try:
             gw.wait_http(port, "/readyz")
-            await run_phase(port, CONCURRENCY, 200, stream, None)  # warm: imports, pools, caches
+            pace = delay if stream else 0.0
+            REQUESTS.setdefault((stream, pace), _request(stream, pace))
+            await run_phase(port, CONCURRENCY, 200, stream, None, pace)  # warm: imports, pools, caches
             os.kill(gw.pid, signal.SIGUSR1)
-            phase = await run_phase(port, CONCURRENCY, n, stream, None)
+            phase = await run_phase(port, CONCURRENCY, n, stream, None, pace)
             os.kill(gw.pid, signal.SIGUSR2)
             for _ in range(100):
                 if os.path.exists(out):
@@ -181,7 +185,7 @@ async def main_async(args) -> None:
             results = []
             for root in trees:
                 print(f"counting {root} ...", file=sys.stderr, flush=True)
-                results.append(await count(root, tmp, upstream_port, args.requests, args.streams))
+                results.append(await count(root, tmp, upstream_port, args.requests, args.streams, args.stream_delay))
         finally:
             upstream.stop()
     print(report(trees, results, args.top))
@@ -195,6 +199,9 @@ def main() -> None:
     parser.add_argument("--gateway-root", action="append", default=[], help="a checkout to count (repeat; the first is the baseline)")
     parser.add_argument("--requests", type=int, default=500, help="measured non-streaming requests per tree")
     parser.add_argument("--streams", type=int, default=100, help=f"measured SSE streams per tree ({EVENTS} events each)")
+    parser.add_argument("--stream-delay", type=float, default=0.01,
+                        help="seconds between a stream's events (0: as fast as the upstream writes, when how many "
+                        "events one read of the gateway takes, and so its work per event, depends on the machine's load)")
     parser.add_argument("--top", type=int, default=15, help="functions listed per comparison")
     parser.add_argument("--json", help="also write every tree's counts, per function, to this file")
     asyncio.run(main_async(parser.parse_args()))

@@ -15,7 +15,7 @@ Metric labels say what they hold: ``api`` (chat | completions | ws), ``model``, 
 
 from __future__ import annotations
 
-import bisect
+from bisect import bisect_left
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter
@@ -80,7 +80,7 @@ class _HistogramChild:
         self.sum = 0.0
 
     def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.counts[bisect_left(self.bounds, value)] += 1
         self.sum += value
 
 

@@ -36,7 +36,7 @@ class Meter:
     generation that way when another request interrupts it) is a stream cut short, and the
     client gets an error event before the ``[DONE]``, never a silent truncation."""
 
-    __slots__ = ("ctx", "answer", "series", "chunks", "events", "finished", "cut", "_last", "_usage")
+    __slots__ = ("ctx", "answer", "series", "chunks", "events", "finished", "cut", "_last", "_usage", "_gap", "_gaps")
 
     def __init__(self, ctx: RequestContext, answer: Answer, series: Series) -> None:
         self.ctx = ctx
@@ -48,47 +48,58 @@ class Meter:
         self.cut = False  # the upstream said [DONE] before it finished
         self._last = 0.0
         self._usage = answer.hide_usage or ctx.wants_usage
+        self._gap = series.gap.observe
+        self._gaps = ctx.delivery.gaps
 
-    def note(self, events: bytes) -> None:
-        """A run of events is on its way: the first is the TTFT; after it, a run that
-        carries a generated token (not ``[DONE]``, a usage chunk or a finish-only chunk,
-        however the upstream's writes were split or merged) is a token and a gap."""
+    def passing(self, events: bytes) -> bytes:
+        """A run of events on its way to the client: noted as it arrives, and returned as
+        the client gets it (one call per run: this is the splice's per-event work).
+
+        Noted: the first run is the TTFT; after it, a run that carries a generated token
+        (not ``[DONE]``, a usage chunk or a finish-only chunk, however the upstream's writes
+        were split or merged) is a token and a gap. Returned: the run with the usage chunk
+        read (and taken out when it was asked for on the client's behalf), and an error
+        event before a ``[DONE]`` that came before any ``finish_reason``."""
         now = time.perf_counter()
-        if self._last:
-            if b'"finish_reason":null' not in events and not _carries_token(events):
-                return
+        compact = b'"finish_reason":null' in events  # a token chunk of a compact JSON writer
+        if not self._last:
+            self._first(now)
+        elif compact or _carries_token(events):
             gap = now - self._last
-            self.series.gap.observe(gap)
-            self.ctx.delivery.gaps.append(gap)
-        else:
-            ctx = self.ctx
-            ttft = now - ctx.timing.start
-            self.series.ttft.observe(ttft)
-            self.answer.ttft = ctx.delivery.ttft = ttft
-            self.answer.reply.first_token(time.monotonic())
-            ctx.timing.mark("first_token")
-        self._last = now
-        self.chunks += 1
-
-    def outgoing(self, events: bytes) -> bytes:
-        """``events`` as the client gets them (the usage chunk read, or taken out; an error
-        event before a ``[DONE]`` that came before any ``finish_reason``)."""
-        if not self.finished and (
-            b'"finish_reason":"' in events  # the usual compact JSON: no regex on the hot path
-            or ((b'"error"' in events or b'"finish_reason" ' in events or b'"finish_reason": ' in events) and _FINISHED.search(events))
+            self._gap(gap)
+            self._gaps.append(gap)
+            self._last = now
+            self.chunks += 1
+        finished = self.finished
+        # a finish_reason that is a string: compact JSON without a regex on the hot path; the
+        # spaced forms are looked for only in a run from a writer that is not compact (one
+        # server writes one JSON style); an error event from anyone
+        if not finished and (
+            b'"finish_reason":"' in events
+            or (b'"error"' in events and _FINISHED.search(events))
+            or (not compact and (b'"finish_reason" ' in events or b'"finish_reason": ' in events) and _FINISHED.search(events))
         ):
-            self.finished = True
+            finished = self.finished = True
         if self._usage and b'"usage"' in events:
             events = _take_usage(self.ctx, events, self.answer.hide_usage)
-        if not self.finished and DONE in events:
-            if events.replace(DONE, b"").strip():
-                self.events += 1
-            self.cut = True
-            self.answer.failed_mid_stream = error = _cut(self.events)
-            events = events.replace(DONE, error_event(error) + DONE, 1)
-        else:
+        if finished or DONE not in events:
             self.events += 1
-        return events
+            return events
+        if events.replace(DONE, b"").strip():
+            self.events += 1
+        self.cut = True
+        self.answer.failed_mid_stream = error = _cut(self.events)
+        return events.replace(DONE, error_event(error) + DONE, 1)
+
+    def _first(self, now: float) -> None:
+        ctx = self.ctx
+        ttft = now - ctx.timing.start
+        self.series.ttft.observe(ttft)
+        self.answer.ttft = ctx.delivery.ttft = ttft
+        self.answer.reply.first_token(time.monotonic())
+        ctx.timing.mark("first_token")
+        self._last = now
+        self.chunks += 1
 
 
 async def measured(
@@ -128,10 +139,10 @@ async def measured(
             ctx.delivery.tokens = meter.chunks
             ctx.timing.mark("decode")
             return
-        meter.note(events)
+        outgoing = meter.passing(events)  # timed as it arrives
         if recorder is not None:
             await recorder.feed(events)
-        yield meter.outgoing(events)
+        yield outgoing
 
 
 def _cut(events: int) -> UpstreamProtocolError:

@@ -66,9 +66,7 @@ class Splice:
                 self.reply.hand_over(None)
 
     def _events(self, events: bytes) -> None:
-        meter = self.meter
-        meter.note(events)  # timed as it arrives
-        events = meter.outgoing(events)
+        events = self.meter.passing(events)  # timed as it arrives
         if events:
             if not self._pending:
                 self._loop.call_soon(self.flush)

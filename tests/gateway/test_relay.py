@@ -413,7 +413,7 @@ async def test_a_token_and_a_gap_are_counted_for_runs_that_carry_a_token():
     usage = b'data: {"choices":[],"usage":{"total_tokens":3}}\n\n'
     last_with_finish = b'data: {"choices":[{"index":0,"delta":{"content":"c"},"finish_reason":"length"}]}\n\n'
     for run in [content, spaced, finish, usage, DONE, finish + usage + DONE, last_with_finish + DONE]:
-        meter.note(run)
+        meter.passing(run)
     assert meter.chunks == 3  # the first (TTFT), the spaced one, and the last content run
     assert len(series.ttft.values) == 1 and len(series.gap.values) == 2
 
