@@ -126,6 +126,8 @@ class EventReader:
         """The complete events of what has arrived so far; the rest is kept as the tail."""
         if self._tail:
             data = self._tail + data
+        elif data.endswith(b"\n\n"):  # whole events, the usual read: no end can lie past this one
+            return data
         cut = data.rfind(b"\n\n")
         end = cut + 2 if cut >= 0 else -1
         if b"\r" in data:

@@ -278,6 +278,26 @@ async def test_event_reader_hands_back_whole_events_as_received():
     assert await reader.next() == b""
 
 
+async def test_event_reader_cuts_at_the_last_event_end_for_every_split_of_a_stream():
+    """Every way of splitting one stream (LF and CRLF events, a run that ends in a whole event
+    and one that does not) in two reads: each run handed back ends where an event ends, at
+    the last such place received so far, and the runs add up to the stream."""
+    stream = b"data: a\n\ndata: b\r\n\r\n: ping\n\ndata: c\n\n"
+    ends = [i + 2 for i in range(len(stream)) if stream[i : i + 2] == b"\n\n"]
+    ends += [i + 4 for i in range(len(stream)) if stream[i : i + 4] == b"\r\n\r\n"]
+    for split in range(1, len(stream)):
+        body, reader = reader_over()
+        runs, received = [], 0
+        for part in (stream[:split], stream[split:]):
+            body.feed(part)
+            received += len(part)
+            last = max((e for e in ends if e <= received), default=0)
+            if last > sum(map(len, runs)):
+                runs.append(await reader.next())
+                assert sum(map(len, runs)) == last, (split, runs)
+        assert b"".join(runs) == stream and not reader.in_event, split
+
+
 async def test_event_reader_reports_quiet_spells_then_times_out():
     body, reader = reader_over(ping=0.05, timeout=0.15)
     assert await reader.next() is None
