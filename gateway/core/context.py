@@ -24,7 +24,7 @@ from gateway.core.openai import ParsedRequest
 from gateway.core.tenant import Tenant
 from gateway.core.timing import Timing
 
-__all__ = ["ON_GONE", "WRITER", "BodyWriter", "Charge", "Delivery", "Held", "RequestContext", "Served", "Trace"]
+__all__ = ["LISTENING", "ON_GONE", "WRITER", "BodyWriter", "Charge", "Delivery", "Held", "RequestContext", "Served", "Trace"]
 
 # The scope key of a listener that reports a lost connection itself (gateway.ingress.http1):
 # admission puts a callable there in place of a task waiting on ``receive``.
@@ -32,6 +32,11 @@ ON_GONE = "edgegw.on_gone"
 
 # The scope key of a listener that offers a ``BodyWriter`` (gateway.ingress.http1).
 WRITER = "edgegw.writer"
+
+# The key, in the app's state (``scope["state"]``), by which the server says whether all its
+# listeners are open (gateway.ingress.server): False while the TLS, admin and HTTP/3 ports
+# are being opened after the first one answers, so that /readyz does not say ready before.
+LISTENING = "edgegw.listening"
 
 
 class BodyWriter(Protocol):

@@ -7,6 +7,7 @@ import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.admission import Tenants, request_id_of
+from gateway.core.context import LISTENING
 from gateway.core.errors import GatewayError, ModelNotFound, send_error
 from gateway.core.tenant import Tenant
 from gateway.observe import Metrics
@@ -102,6 +103,8 @@ class ReadyzApp:
             await _send_json(send, 503, {"status": "draining", **extra})
         elif gateway.gate.shedding:
             await _send_json(send, 503, {"status": "shedding", **extra})
+        elif scope.get("state", {}).get(LISTENING) is False:  # the server's other ports are being opened
+            await _send_json(send, 503, {"status": "not ready", **extra})
         elif gateway.started and gateway.fleet.is_ready():
             await _send_json(send, 200, {"status": "ready", **extra})
         else:

@@ -26,6 +26,7 @@ import sys
 import uvicorn
 from uvicorn.config import STARTUP_FAILURE
 
+from gateway.core.context import LISTENING
 from gateway.ingress.h2 import H2ServerProtocol
 from gateway.ingress.h3_listener import H3Listener, serve_http3
 from gateway.core.settings import LimitSettings, ListenSettings
@@ -200,6 +201,7 @@ class Server(uvicorn.Server):
         listen = self.listen
         if listen.http3 is not None:
             self.config.loaded_app = AltSvcApp(self.config.loaded_app, listen.http3.port)
+        self.lifespan.state[LISTENING] = False  # the first port answers before the others are open
         await super().startup(sockets)
         if not self.started:
             return
@@ -252,6 +254,7 @@ class Server(uvicorn.Server):
                 server.close()
             await self.lifespan.shutdown()
             sys.exit(STARTUP_FAILURE)
+        self.lifespan.state[LISTENING] = True
         trim = _malloc_trim()
         if trim is not None:
             self._trimmer = loop.create_task(self._trim_memory(trim))

@@ -28,7 +28,7 @@ from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -44,24 +44,41 @@ _PROPAGATOR = TraceContextTextMapPropagator()
 _CONTEXT_HEADERS = (b"traceparent", b"tracestate")
 
 
+class _Exporter(OTLPSpanExporter):
+    """OTLP/HTTP, noting whether an export failed: the last spans' fate is told at shutdown
+    whether the exporter gave up (its own ``_GIVE_UP_S``) before the shutdown's wait ran out
+    or after."""
+
+    failed = False
+
+    def export(self, spans) -> SpanExportResult:
+        result = super().export(spans)
+        if result is not SpanExportResult.SUCCESS:
+            self.failed = True
+        return result
+
+
 class Tracing:
     def __init__(self, settings: TracingSettings) -> None:
         self.provider = TracerProvider(
             resource=Resource.create({"service.name": settings.service_name}),
             sampler=ParentBased(TraceIdRatioBased(settings.sample_ratio)),
         )
-        exporter = OTLPSpanExporter(endpoint=settings.otlp_url, timeout=_GIVE_UP_S)
+        exporter = self._exporter = _Exporter(endpoint=settings.otlp_url, timeout=_GIVE_UP_S)
         self.provider.add_span_processor(BatchSpanProcessor(exporter, export_timeout_millis=_GIVE_UP_S * 1000))
         self.tracer = self.provider.get_tracer("edgegw")
 
     def shutdown(self) -> None:
         """Export what is still buffered (from the lifespan's end, on a thread), giving up
         after ``_GIVE_UP_S``: a dead or silent collector must not hold the gateway's exit."""
+        self._exporter.failed = False
         exporting = threading.Thread(target=self.provider.shutdown, name="otlp-shutdown", daemon=True)
         exporting.start()
         exporting.join(_GIVE_UP_S)
         if exporting.is_alive():
             logger.warning("traces: the collector took nothing within %g s; the last spans are dropped", _GIVE_UP_S)
+        elif self._exporter.failed:  # the exporter's own timeout came first, or the collector refused
+            logger.warning("traces: the collector did not take the last export; the last spans are dropped")
 
     def begin(self, ctx) -> None:
         """Start ``ctx``'s server span at its arrival (``ctx``: a ``RequestContext``)."""

@@ -124,19 +124,11 @@ class Usage:
         tokens are counted as cached."""
         if not self.settings.enabled:
             return
-        if target in _SAVED:
-            cached, prompt, completion = prompt + completion, 0, 0
-        else:
-            cached = 0
         totals = self._totals
         key = (tenant, model, target)
         total = totals.get(key)
         if total is None:
             total = totals[key] = [0, 0, 0, 0]
-        total[0] += 1
-        total[1] += prompt
-        total[2] += completion
-        total[3] += cached
         hour = int((time.time() if now is None else now) // _HOUR_S)
         if hour != self._hour[0]:
             self._hour = (hour, month_of(hour * _HOUR_S))  # formatting a date costs more than the rest together
@@ -146,10 +138,16 @@ class Usage:
         counts = store.get(bucket)
         if counts is None:
             counts = store[bucket] = [0, 0, 0, 0]
+        total[0] += 1
         counts[0] += 1
+        if target in _SAVED:  # saved, not spent: no month's tokens either
+            total[3] += prompt + completion
+            counts[3] += prompt + completion
+            return
+        total[1] += prompt
+        total[2] += completion
         counts[1] += prompt
         counts[2] += completion
-        counts[3] += cached
         if prompt or completion:
             months = self._pending_months if shared else self._months
             month = (self._hour[1], tenant)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 import ssl
 import time
 
@@ -304,3 +305,28 @@ def _listeners_opened(gw, h3_port: int) -> bool:
     if gw.proc.poll() is not None:
         raise RuntimeError(f"gateway exited: {log}")
     return False
+
+
+def test_readyz_says_ready_only_once_the_https_and_http3_listeners_are_open(upstreams, gateway_processes, certificate):
+    """The plain port answers before the TLS and HTTP/3 ports are opened (after uvicorn's
+    own start-up): ``/readyz`` says 503 until they are, so that a load balancer (or a test)
+    that waits for it finds every listener open."""
+    fake = upstreams()
+    certfile, keyfile = certificate
+    tls_port, h3_port = free_port(), free_udp_port()
+    listen = {
+        "tls": {"port": tls_port, "certfile": certfile, "keyfile": keyfile},
+        "http3": {"port": h3_port, "certfile": certfile, "keyfile": keyfile},
+    }
+    gw = gateway_processes({"clusters": [cluster(fake)], "listen": listen})
+    with httpx.Client(timeout=2) as client:
+        wait_until(lambda: client.get(gw.url + "/readyz").status_code == 200, 30, "/readyz to say ready")
+    with socket.create_connection(("127.0.0.1", tls_port), timeout=2):
+        pass  # the HTTPS port accepts
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        with pytest.raises(OSError):  # the HTTP/3 port is bound (by the gateway, not reusable by others)
+            probe.bind(("127.0.0.1", h3_port))
+    finally:
+        probe.close()
+    assert f"HTTP/3 on udp://127.0.0.1:{h3_port}" in gw.log.read_text(errors="replace")

@@ -171,3 +171,19 @@ def test_a_silent_collector_does_not_hold_the_gateways_exit(caplog):
         assert "the last spans are dropped" in caplog.text
     finally:
         silent.close()
+
+
+def test_a_collector_that_refuses_the_last_spans_is_warned_of(caplog):
+    """The exporter fails before the shutdown's wait runs out (here: nothing listens, the
+    connection is refused): the last spans are dropped, and the log says so as it does for a
+    silent collector (the exporter's own time-out and the wait used to race for the warning)."""
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()  # nothing listens there now
+    tracing = Tracing(TracingSettings(otlp_url=f"http://127.0.0.1:{port}/v1/traces"))
+    with tracing.tracer.start_as_current_span("request"):
+        pass
+    with caplog.at_level(logging.WARNING, logger="edgegw.tracing"):
+        tracing.shutdown()
+    assert "the last spans are dropped" in caplog.text
