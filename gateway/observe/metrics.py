@@ -30,7 +30,32 @@ _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 
 _GAP_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
 
-class LoopHistogram:
+class _Labelled:
+    """A labelled metric of the event loop's hot path: its children by label values, made on
+    first use (``_child``), registered once and read at scrape time (``collect``). Only the
+    event loop's thread writes to them: no locks."""
+
+    def __init__(self, name: str, documentation: str, labelnames: Iterable[str], registry: CollectorRegistry) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        self._children: dict[tuple[str, ...], object] = {}
+        registry.register(self)
+
+    def labels(self, *values: str):
+        values = tuple(str(v) for v in values)
+        child = self._children.get(values)
+        if child is None:
+            if len(values) != len(self.labelnames):
+                raise ValueError(f"{self.name} takes labels {self.labelnames}, got {values}")
+            child = self._children[values] = self._child()
+        return child
+
+    def _child(self):
+        raise NotImplementedError
+
+
+class LoopHistogram(_Labelled):
     """A labelled Prometheus histogram for the event loop's hot path.
 
     ``prometheus_client.Histogram.observe`` takes a lock for the sum and another for the
@@ -40,21 +65,11 @@ class LoopHistogram:
     summed into Prometheus's cumulative form at scrape time."""
 
     def __init__(self, name: str, documentation: str, labelnames: Iterable[str], *, buckets: tuple[float, ...], registry: CollectorRegistry) -> None:
-        self.name = name
-        self.documentation = documentation
-        self.labelnames = tuple(labelnames)
         self.bounds = tuple(float(b) for b in buckets)
-        self._children: dict[tuple[str, ...], _HistogramChild] = {}
-        registry.register(self)
+        super().__init__(name, documentation, labelnames, registry)
 
-    def labels(self, *values: str) -> _HistogramChild:
-        values = tuple(str(v) for v in values)
-        child = self._children.get(values)
-        if child is None:
-            if len(values) != len(self.labelnames):
-                raise ValueError(f"{self.name} takes labels {self.labelnames}, got {values}")
-            child = self._children[values] = _HistogramChild(self.bounds)
-        return child
+    def _child(self) -> _HistogramChild:
+        return _HistogramChild(self.bounds)
 
     def collect(self):
         family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
@@ -84,27 +99,17 @@ class _HistogramChild:
         self.sum += value
 
 
-class LoopCounter:
+class LoopCounter(_Labelled):
     """A labelled Prometheus counter for the event loop's hot path, as ``LoopHistogram`` is
     for histograms: a child is one number that ``inc`` adds to (``prometheus_client``'s
     ``Counter.inc`` checks its state and takes a lock: ~30 bytecode instructions a call,
     a few per request), read at scrape time."""
 
     def __init__(self, name: str, documentation: str, labelnames: Iterable[str], *, registry: CollectorRegistry) -> None:
-        self.name = name
-        self.documentation = documentation
-        self.labelnames = tuple(labelnames)
-        self._children: dict[tuple[str, ...], _CounterChild] = {}
-        registry.register(self)
+        super().__init__(name, documentation, labelnames, registry)
 
-    def labels(self, *values: str) -> _CounterChild:
-        values = tuple(str(v) for v in values)
-        child = self._children.get(values)
-        if child is None:
-            if len(values) != len(self.labelnames):
-                raise ValueError(f"{self.name} takes labels {self.labelnames}, got {values}")
-            child = self._children[values] = _CounterChild()
-        return child
+    def _child(self) -> _CounterChild:
+        return _CounterChild()
 
     def collect(self):
         family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
