@@ -106,14 +106,7 @@ def parse_request(kind: str | None, body: bytes, *, path: str | None = None, con
     form body)."""
     if kind == PASSTHROUGH:
         return _parse_passthrough(body, path or "/", content_type)
-    if not body:
-        raise InvalidRequest("the request body is empty; expected a JSON object", code="invalid_json")
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidRequest(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise InvalidRequest("the request body must be a JSON object", code="invalid_json")
+    data = _json_object(body)
     if kind is None:
         kind = kind_of(data)
     model = data.get("model")
@@ -128,6 +121,19 @@ def parse_request(kind: str | None, body: bytes, *, path: str | None = None, con
     return ParsedRequest(kind, data, body, len(body))
 
 
+def _json_object(body: bytes) -> dict[str, Any]:
+    """The request body as a JSON object, or the OpenAI-shaped error that says why not."""
+    if not body:
+        raise InvalidRequest("the request body is empty; expected a JSON object", code="invalid_json")
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise InvalidRequest("the request body must be a JSON object", code="invalid_json")
+    return data
+
+
 def _parse_passthrough(body: bytes, path: str, content_type: str | None) -> ParsedRequest:
     """A pass-through request: its model from the JSON body or the form's ``model`` field."""
     api = api_of_path(path)
@@ -140,14 +146,7 @@ def _parse_passthrough(body: bytes, path: str, content_type: str | None) -> Pars
             raise InvalidRequest("you must provide a model parameter (a form field)", param="model", code="missing_required_parameter")
         data: dict[str, Any] = {"model": model, "stream": fields.get("stream") == "true"}
         return ParsedRequest(api, data, body, len(body), below, content_type.encode("latin-1"))
-    if not body:
-        raise InvalidRequest("the request body is empty; expected a JSON object", code="invalid_json")
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidRequest(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise InvalidRequest("the request body must be a JSON object", code="invalid_json")
+    data = _json_object(body)
     if body.count(b"[") + body.count(b"{") > MAX_DEPTH and too_deep(data, MAX_DEPTH):
         raise InvalidRequest(f"the request nests JSON more than {MAX_DEPTH} levels deep", param="body")
     model = data.get("model")

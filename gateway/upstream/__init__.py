@@ -27,7 +27,7 @@ from gateway.upstream.http1 import H1Pool
 from gateway.upstream.http2 import H2Pool
 from gateway.upstream.fallback import FallbackPool
 from gateway.upstream.http3 import H3Pool
-from gateway.upstream.transport import PoolTransport
+from gateway.upstream.transport import PoolTransport, get_read
 
 __all__ = [
     "Upstream", "UpstreamResponse", "Body", "Origin", "Pool", "PoolTransport", "H1Pool", "H2Pool", "H3Pool",
@@ -94,11 +94,7 @@ class Upstream:
         done = asyncio.Event()
         self._aside = done
         try:
-            response = await asyncio.wait_for(self.client.get(path), timeout)
-            # httpx binds a response's stream to the response (a reference cycle, left to the
-            # garbage collector with the pool's response under it); the body is read: let go
-            response.stream = httpx.ByteStream(response.content)
-            return response
+            return await asyncio.wait_for(get_read(self.client, path), timeout)
         finally:
             if self._aside is done:
                 self._aside = None

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import httpx
 
 from gateway.upstream.base import Pool
+from gateway.upstream.transport import get_read
 from routing import HealthState
 from routing.config import LoadConfig
 from routing.signals import LOAD_SOURCES, MetricsError, ServerLoad, read_load
@@ -62,10 +63,8 @@ def httpx_fetch(client: httpx.AsyncClient) -> Fetch:
     """GET with an httpx client whose ``base_url`` is the server's origin."""
 
     async def fetch(path: str) -> tuple[int, bytes]:
-        response = await client.get(path)
-        content = response.content
-        response.stream = httpx.ByteStream(content)  # httpx's response-stream cycle, undone (the body is read)
-        return response.status_code, content
+        response = await get_read(client, path)
+        return response.status_code, response.content
 
     return fetch
 

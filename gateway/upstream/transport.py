@@ -20,9 +20,18 @@ from gateway.core.errors import (
 )
 from gateway.upstream.base import Pool, UpstreamResponse
 
-__all__ = ["PoolTransport"]
+__all__ = ["PoolTransport", "get_read"]
 
 _HOP_BY_HOP = {b"host", b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"upgrade"}
+
+
+async def get_read(client: httpx.AsyncClient, path: str) -> httpx.Response:
+    """``client.get(path)``, its body read, and the response let go of its stream: httpx
+    binds the two in a reference cycle, with the pool's response under it, which only the
+    garbage collector would free."""
+    response = await client.get(path)
+    response.stream = httpx.ByteStream(response.content)
+    return response
 
 
 class _BodyStream(httpx.AsyncByteStream):
