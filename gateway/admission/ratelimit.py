@@ -40,8 +40,14 @@ __all__ = ["Quota", "RateLimiter"]
 logger = logging.getLogger("edgegw.ratelimit")
 
 PERIOD_S = 60.0
+# A request is refused when its quota's theoretical arrival time would lie more than one
+# period ahead, by more than this: ``tat + interval - now`` is computed in floating point,
+# and when the sum crosses a power of two (the clock's seconds past 4,096, 8,192, ...) it is
+# rounded up by one unit in the last place, which refused the last request of a full burst
+# (the first of a 1-per-minute quota) for a minute before each such crossing.
+SLACK_MS = 0.01
 
-# KEYS: requests key, tokens key. ARGV: rpm, tpm (0: no limit), token cost, period ms.
+# KEYS: requests key, tokens key. ARGV: rpm, tpm (0: no limit), token cost, period ms, slack ms.
 # Returns {allowed, requests remaining, requests reset ms, tokens remaining, tokens reset ms, retry after ms}.
 _CHECK = """
 local t = redis.call('TIME')
@@ -57,7 +63,7 @@ for i = 1, 2 do
     if tat < now then tat = now end
     tats[i] = tat
     afters[i] = tat + period / limits[i] * costs[i]
-    if afters[i] - now > period then
+    if afters[i] - now > period + tonumber(ARGV[5]) then
       allowed = 0
       retry = math.max(retry, afters[i] - now - period)
     end
@@ -136,7 +142,7 @@ class RateLimiter:
         if self._redis is None:
             result = self._check_memory(keys, rpm, tpm, tokens)
         else:
-            result = await self._call(self._check, keys, [rpm, tpm, tokens, int(PERIOD_S * 1000)])
+            result = await self._call(self._check, keys, [rpm, tpm, tokens, int(PERIOD_S * 1000), SLACK_MS])
             if result is None:
                 if self.settings.fail_closed:
                     raise Overloaded("rate limits cannot be checked right now", code="rate_limits_unavailable", retry_after=1.0)
@@ -171,7 +177,7 @@ class RateLimiter:
         tats = [max(self._memory.get(key, now), now) for key, _, _ in checks]
         afters = [tat + PERIOD_S / limit * cost if limit else tat for tat, (_, limit, cost) in zip(tats, checks)]
         over = [after - now - PERIOD_S for after, (_, limit, _) in zip(afters, checks) if limit]
-        allowed = all(o <= 0 for o in over)
+        allowed = all(o <= SLACK_MS / 1000 for o in over)
         out = [float(allowed), -1.0, 0.0, -1.0, 0.0, max([0.0, *over]) * 1000]
         for i, ((key, limit, _), tat, after) in enumerate(zip(checks, tats, afters)):
             if not limit:

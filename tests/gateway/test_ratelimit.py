@@ -129,3 +129,21 @@ def test_requests_keep_flowing_when_redis_is_killed(upstreams, gateways, private
             assert client.post(gw.url + "/v1/chat/completions", json=CHAT).status_code == 200
             slowest = max(slowest, time.monotonic() - started)
     assert slowest < 3.0, slowest  # a short timeout, then the circuit: nothing hangs on Redis (a generous bound)
+
+
+@pytest.mark.parametrize("clock", [pytest.param(4090.1, id="sum-crosses-4096"), pytest.param(1000.25, id="exact-sum")])
+async def test_the_last_request_of_a_full_burst_is_allowed_whatever_the_clock(monkeypatch, clock):
+    """A 1-per-minute quota's first request (the last of its burst) when ``now + 60 s``
+    crosses a power of two: the float sum is rounded up by one unit in the last place, which
+    refused it for the minute before each crossing (seen as a 429 in the CORS test at 4,090 s
+    of uptime). Then the next one is refused, with a retry after of about a minute."""
+    monkeypatch.setattr("gateway.admission.ratelimit.time.monotonic", lambda: clock)
+    assert (clock + 60.0) - clock - 60.0 >= 0  # the rounding this is about (0 for the exact case)
+    limiter = RateLimiter(RateLimitSettings(backend="memory"), Metrics())
+    tenant = limited(requests_per_minute=1)
+    first = await limiter.check(tenant, 1)
+    assert first.allowed
+    assert dict(first.headers)[b"x-ratelimit-remaining-requests"] == b"0"
+    second = await limiter.check(tenant, 1)
+    assert not second.allowed and 59.9 < second.retry_after < 60.1
+    await limiter.aclose()
