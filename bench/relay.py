@@ -72,6 +72,7 @@ import collections
 import gc
 import http.client
 import itertools
+import functools
 import json
 import os
 import shutil
@@ -101,7 +102,10 @@ OTHER_CORE = 1
 _MESSAGES = [{"role": "user", "content": "Say something short."}]
 
 
-def _request(stream: bool, delay: float = 0.0) -> bytes:
+@functools.cache
+def request_bytes(stream: bool, delay: float = 0.0) -> bytes:
+    """The load's raw HTTP/1.1 request: a chat completion, streamed or not, with the fake
+    upstream's time between tokens (made once per kind)."""
     payload = {"model": MODEL, "messages": _MESSAGES, "max_tokens": TOKENS, "stream": stream}
     if delay:
         payload["fake"] = {"delay": delay}  # the upstream's time between tokens (loadgen/fake_upstream.py's script field)
@@ -122,7 +126,6 @@ NONSTREAM = [("c1", 1, 1500), ("c16", 16, 4000), ("c64", 64, 6400)]
 # gateway in front of inference servers sees.
 STREAM = [("c1", 1, 150, 0.0), ("c64", 64, 640, 0.0), ("c64-paced", 64, 192, 0.01)]
 PACED_STREAM_S = TOKENS * 0.01
-REQUESTS = {(s, d): _request(s, d) for s, d in [(False, 0.0), (True, 0.0)] + [(True, x[3]) for x in STREAM]}
 
 
 # -- the load generator ----------------------------------------------------------------
@@ -183,7 +186,7 @@ class Client:
         self.delay = delay
 
     async def request(self, stream: bool, gaps: list[float]) -> tuple[Response, EventCounter]:
-        response = await self.pool.request(REQUESTS[stream, self.delay], lambda status, headers: EventCounter(stream, gaps), 300)
+        response = await self.pool.request(request_bytes(stream, self.delay), lambda status, headers: EventCounter(stream, gaps), 300)
         return response, response.reader
 
     def close(self) -> None:

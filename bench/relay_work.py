@@ -44,7 +44,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.processes import Child, free_port, pinned  # noqa: E402
-from bench.relay import EVENTS, GATEWAY_CORE, MODEL, OTHER_CORE, PY, REQUESTS, TOKENS, _request, gateway_config, run_phase  # noqa: E402
+from bench.relay import EVENTS, GATEWAY_CORE, MODEL, OTHER_CORE, PY, TOKENS, gateway_config, run_phase  # noqa: E402
 
 CONCURRENCY = 16
 
@@ -110,7 +110,6 @@ async def count(root: str, tmp: str, upstream_port: int, requests: int, streams:
         try:
             gw.wait_http(port, "/readyz")
             pace = delay if stream else 0.0
-            REQUESTS.setdefault((stream, pace), _request(stream, pace))
             await run_phase(port, CONCURRENCY, 200, stream, None, pace)  # warm: imports, pools, caches
             os.kill(gw.pid, signal.SIGUSR1)
             phase = await run_phase(port, CONCURRENCY, n, stream, None, pace)

@@ -288,7 +288,6 @@ class H1Protocol(HttpToolsProtocol):
         await too_many_connections(self.limits)(scope, receive, send_and_close)
 
 
-_SPECIAL = frozenset({b"content-length", b"transfer-encoding", b"connection"})
 _HEADER_LINE = b"%b: %b\r\n".__mod__
 _bad_name = HEADER_RE.search
 _bad_value = HEADER_VALUE_RE.search
@@ -313,16 +312,13 @@ class _Cycle(RequestResponseCycle):
         if _bad_name(b"".join(names)) or _bad_value(b"".join(values)):
             return await super().send(message)  # raises uvicorn's error for it
         lowered = b"\n".join(names).lower().split(b"\n")
-        if not _SPECIAL.isdisjoint(lowered):
-            if b"transfer-encoding" in lowered or b"connection" in lowered:
-                return await super().send(message)
-            self.response_started = True
-            self.waiting_for_100_continue = False
+        if b"transfer-encoding" in lowered or b"connection" in lowered:
+            return await super().send(message)
+        self.response_started = True
+        self.waiting_for_100_continue = False
+        if b"content-length" in lowered:  # the first one counts, as in uvicorn's loop
             self.expected_content_length = int(values[lowered.index(b"content-length")].decode())
             self.chunked_encoding = False
-        else:
-            self.response_started = True
-            self.waiting_for_100_continue = False
         status = message["status"]
         content = [STATUS_LINE[status], *map(_HEADER_LINE, zip(lowered, values))]
         if not self.keep_alive:

@@ -35,7 +35,7 @@ class _Labelled:
     first use (``_child``), registered once and read at scrape time (``collect``). Only the
     event loop's thread writes to them: no locks."""
 
-    def __init__(self, name: str, documentation: str, labelnames: Iterable[str], registry: CollectorRegistry) -> None:
+    def __init__(self, name: str, documentation: str, labelnames: Iterable[str], *, registry: CollectorRegistry) -> None:
         self.name = name
         self.documentation = documentation
         self.labelnames = tuple(labelnames)
@@ -66,7 +66,7 @@ class LoopHistogram(_Labelled):
 
     def __init__(self, name: str, documentation: str, labelnames: Iterable[str], *, buckets: tuple[float, ...], registry: CollectorRegistry) -> None:
         self.bounds = tuple(float(b) for b in buckets)
-        super().__init__(name, documentation, labelnames, registry)
+        super().__init__(name, documentation, labelnames, registry=registry)
 
     def _child(self) -> _HistogramChild:
         return _HistogramChild(self.bounds)
@@ -104,9 +104,6 @@ class LoopCounter(_Labelled):
     for histograms: a child is one number that ``inc`` adds to (``prometheus_client``'s
     ``Counter.inc`` checks its state and takes a lock: ~30 bytecode instructions a call,
     a few per request), read at scrape time."""
-
-    def __init__(self, name: str, documentation: str, labelnames: Iterable[str], *, registry: CollectorRegistry) -> None:
-        super().__init__(name, documentation, labelnames, registry)
 
     def _child(self) -> _CounterChild:
         return _CounterChild()

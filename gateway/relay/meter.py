@@ -76,8 +76,10 @@ class Meter:
         # server writes one JSON style); an error event from anyone
         if not finished and (
             b'"finish_reason":"' in events
-            or (b'"error"' in events and _FINISHED.search(events))
-            or (not compact and (b'"finish_reason" ' in events or b'"finish_reason": ' in events) and _FINISHED.search(events))
+            or (
+                (b'"error"' in events or (not compact and (b'"finish_reason" ' in events or b'"finish_reason": ' in events)))
+                and _FINISHED.search(events)
+            )
         ):
             finished = self.finished = True
         if self._usage and b'"usage"' in events:
