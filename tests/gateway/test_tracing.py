@@ -20,6 +20,7 @@ from gateway.core.settings import TracingSettings
 from gateway.observe.tracing import Tracing
 from tests.conftest import cluster, ws_answer
 from tests.fakes import free_port
+from tests.waiting import wait_until
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
@@ -77,6 +78,16 @@ def receiver(monkeypatch):
     r.close()
 
 
+def access_lines(caplog, count: int) -> list[str]:
+    """The access log's lines once ``count`` have been logged (the gateway logs a request when
+    it has ended, which may be after its client has the whole answer), within a bound."""
+    def lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == "edgegw.access"]
+
+    wait_until(lambda: len(lines()) >= count, 10, f"{count} access log line(s)")
+    return lines()
+
+
 def spans_of(spans, trace_id: str) -> dict:
     return {span.name: span for _, span in spans if span.trace_id.hex() == trace_id}
 
@@ -84,8 +95,8 @@ def spans_of(spans, trace_id: str) -> dict:
 def test_a_request_is_one_trace_with_the_upstream_as_its_child(upstreams, gateways, receiver, caplog):
     fake = upstreams(tokens=3)
     gw = gateways({"clusters": [cluster(fake)], "tracing": {"otlp_url": receiver.url}, "listen": {"access_log": True}})
-    with caplog.at_level(logging.INFO, logger="edgegw.access"):
-        response = httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "stream": True}, headers={"traceparent": TRACEPARENT})
+    caplog.set_level(logging.INFO, logger="edgegw.access")  # for the whole test: the line is logged after the answer
+    response = httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "stream": True}, headers={"traceparent": TRACEPARENT})
     assert response.status_code == 200
     spans = receiver.wait_for(lambda s: "chat request" in spans_of(s, TRACE_ID))
     by_name = spans_of(spans, TRACE_ID)
@@ -99,7 +110,7 @@ def test_a_request_is_one_trace_with_the_upstream_as_its_child(upstreams, gatewa
     # the upstream got the client's trace id with the gateway's client span as its parent
     seen = fake.requests[-1].headers["traceparent"]
     assert seen.split("-")[1] == TRACE_ID and seen.split("-")[2] == client.span_id.hex() != CLIENT_SPAN
-    assert any(f"trace={TRACE_ID}" in r.getMessage() for r in caplog.records if r.name == "edgegw.access")
+    assert any(f"trace={TRACE_ID}" in line for line in access_lines(caplog, 1))
 
 
 def test_a_trace_is_started_when_the_client_sends_none_and_continued_over_websocket(upstreams, gateways, receiver):
@@ -130,10 +141,10 @@ def test_an_edge_answer_shows_the_engines_own_stages_in_its_trace_metrics_and_lo
     edge = {"enabled": True, "model": tiny_model, "name": "tiny", "dtype": "float32", "num_kv_blocks": 64, "block_size": 4}
     gw = gateways({"edge": edge, "tracing": {"otlp_url": receiver.url}, "listen": {"access_log": True}})
     ask = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "ignore_eos": True}
-    with caplog.at_level(logging.INFO, logger="edgegw.access"):
-        for stream in (True, False):
-            response = httpx.post(gw.url + "/v1/chat/completions", json={**ask, "stream": stream}, headers={"traceparent": TRACEPARENT}, timeout=60)
-            assert response.status_code == 200, response.text
+    caplog.set_level(logging.INFO, logger="edgegw.access")  # for the whole test: a line is logged after its answer
+    for stream in (True, False):
+        response = httpx.post(gw.url + "/v1/chat/completions", json={**ask, "stream": stream}, headers={"traceparent": TRACEPARENT}, timeout=60)
+        assert response.status_code == 200, response.text
     spans = receiver.wait_for(lambda s: sum(span.name == "edgegw.engine_decode" for _, span in s) == 2)
     for request in [span for _, span in spans if span.name == "chat request"]:
         mine = {span.name: span for _, span in spans if span.trace_id == request.trace_id and span.end_time_unix_nano <= request.end_time_unix_nano}
@@ -149,7 +160,7 @@ def test_an_edge_answer_shows_the_engines_own_stages_in_its_trace_metrics_and_lo
     metrics = httpx.get(gw.url + "/metrics").text
     for stage in ("engine_queue", "engine_prefill", "engine_decode"):
         assert f'edgegw_stage_seconds_count{{stage="{stage}",target_kind="edge"}} 2.0' in metrics
-    logged = [r.getMessage() for r in caplog.records if r.name == "edgegw.access"]
+    logged = access_lines(caplog, 2)
     assert len(logged) == 2 and all("engine_prefill:" in line and "engine_decode:" in line for line in logged)
 
 
